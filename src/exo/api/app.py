@@ -1,0 +1,45 @@
+"""The HTTP API every node serves."""
+
+import asyncio
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from exo.api.chunk_streams import ChunkStreams
+from exo.api.errors import (
+    ApiError,
+    api_error_handler,
+    http_error_handler,
+    unexpected_error_handler,
+    validation_error_handler,
+)
+from exo.api.routers import cluster, openai_chat
+
+if TYPE_CHECKING:
+    from exo.node import Node
+
+
+def create_app(node: "Node") -> FastAPI:
+    chunk_streams = ChunkStreams(node.router)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        task = asyncio.create_task(chunk_streams.run(), name="chunk-streams")
+        yield
+        task.cancel()
+
+    app = FastAPI(title="exo", lifespan=lifespan)
+    app.state.node = node
+    app.state.chunk_streams = chunk_streams
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+    app.add_exception_handler(ApiError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, unexpected_error_handler)
+    app.include_router(cluster.router)
+    app.include_router(openai_chat.router)
+    return app

@@ -1,0 +1,212 @@
+"""Cluster control: state, events, models and instances."""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from exo.api.errors import ApiError
+from exo.master.placement import (
+    PlacementError,
+    PlacementPreview,
+    instance_previews,
+    place_instance,
+)
+from exo.shared.models.model_cards import ModelCard
+from exo.shared.types.commands import CreateInstance, DeleteInstance
+from exo.shared.types.common import InstanceId
+from exo.shared.types.instances import Instance, InstanceMeta, Sharding
+from exo.shared.types.runners import SERVING_STATUSES, RunnerFailed
+from exo.shared.types.state import State
+
+if TYPE_CHECKING:
+    from exo.node import Node
+
+router = APIRouter()
+
+
+class PlaceInstanceRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_id: str
+    sharding: Sharding = Sharding.Pipeline
+    instance_meta: InstanceMeta = InstanceMeta.MlxRing
+    min_nodes: int = 1
+
+
+class CreateInstanceRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    instance: Instance
+
+
+class InstanceCommandResponse(BaseModel):
+    message: str
+    command_id: str
+    instance_id: str
+
+
+def node_of(request: Request) -> "Node":
+    return request.app.state.node
+
+
+def card_or_404(node: "Node", model_id: str) -> ModelCard:
+    card = node.cards().get(model_id)
+    if card is None:
+        raise ApiError(404, f"model '{model_id}' is not known to this cluster", code="model_not_found", param="model_id")
+    return card
+
+
+def place_model(
+    node: "Node", model_id: str, sharding: Sharding = Sharding.Pipeline, min_nodes: int = 1
+) -> CreateInstance:
+    card = card_or_404(node, model_id)
+    try:
+        instance = place_instance(node.replica.state, card, sharding, min_nodes)
+    except PlacementError as error:
+        raise ApiError(400, f"cannot place {model_id}: {error}", code="placement_failed") from error
+    command = CreateInstance(instance=instance)
+    node.send_command(command)
+    return command
+
+
+@router.get("/node_id")
+def get_node_id(request: Request) -> str:
+    return node_of(request).node_id
+
+
+@router.get("/state")
+def get_state(request: Request) -> dict[str, Any]:
+    return node_of(request).replica.state.model_dump(mode="json")
+
+
+@router.get("/events")
+def get_events(request: Request, since: int = Query(0, ge=0)) -> list[dict[str, Any]]:
+    return [event.model_dump(mode="json") for event in node_of(request).replica.history[since:]]
+
+
+@router.get("/models")
+def get_models(request: Request) -> list[ModelCard]:
+    return sorted(node_of(request).cards().values(), key=lambda card: card.model_id)
+
+
+@router.post("/place_instance")
+def post_place_instance(request: Request, body: PlaceInstanceRequest) -> InstanceCommandResponse:
+    command = place_model(node_of(request), body.model_id, body.sharding, body.min_nodes)
+    return InstanceCommandResponse(
+        message=f"placing {body.model_id}", command_id=command.command_id, instance_id=command.instance.instance_id
+    )
+
+
+@router.post("/instance")
+def post_instance(request: Request, body: CreateInstanceRequest) -> InstanceCommandResponse:
+    node = node_of(request)
+    card_or_404(node, body.instance.model_id)
+    if body.instance.instance_id in node.replica.state.instances:
+        raise ApiError(409, f"instance {body.instance.instance_id} already exists", code="instance_exists")
+    command = CreateInstance(instance=body.instance)
+    node.send_command(command)
+    return InstanceCommandResponse(
+        message="creating instance", command_id=command.command_id, instance_id=body.instance.instance_id
+    )
+
+
+@router.get("/instance/previews")
+def get_instance_previews(
+    request: Request, model_id: str, sharding: Sharding = Sharding.Pipeline, min_nodes: int = Query(1, ge=1)
+) -> list[PlacementPreview]:
+    node = node_of(request)
+    return instance_previews(node.replica.state, card_or_404(node, model_id), sharding, min_nodes)
+
+
+def _instance_or_404(state: State, instance_id: str) -> Instance:
+    instance = state.instances.get(InstanceId(instance_id))
+    if instance is None:
+        raise ApiError(404, f"instance {instance_id} does not exist", code="instance_not_found")
+    return instance
+
+
+@router.get("/instance/await")
+async def await_instance(
+    request: Request,
+    instance_id: str | None = None,
+    model_id: str | None = None,
+    timeout: float = Query(600, gt=0),
+) -> StreamingResponse:
+    """Server-sent events with the runners' statuses until the instance (or any
+    instance of the model) serves, fails or disappears."""
+    if instance_id is None and model_id is None:
+        raise ApiError(400, "give instance_id or model_id", code="invalid_request")
+    node = node_of(request)
+    if model_id is not None:
+        card_or_404(node, model_id)
+    return StreamingResponse(_await_events(node, instance_id, model_id, timeout), media_type="text/event-stream")
+
+
+def _matching(state: State, instance_id: str | None, model_id: str | None) -> list[Instance]:
+    return [
+        i
+        for i in state.instances.values()
+        if (instance_id is None or i.instance_id == instance_id) and (model_id is None or i.model_id == model_id)
+    ]
+
+
+async def _await_events(
+    node: "Node", instance_id: str | None, model_id: str | None, timeout: float
+) -> AsyncIterator[str]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    last_sent = None
+    while True:
+        state = node.replica.state
+        instances = _matching(state, instance_id, model_id)
+        statuses = {
+            runner_id: state.runners.get(runner_id)
+            for instance in instances
+            for runner_id in instance.shard_assignments.runner_to_shard
+        }
+        update = {r: (s.model_dump(mode="json") if s else None) for r, s in statuses.items()}
+        if update != last_sent:
+            last_sent = update
+            yield f"event: status\ndata: {json.dumps({'runners': update})}\n\n"
+        ready = [
+            i
+            for i in instances
+            if all(isinstance(state.runners.get(r), SERVING_STATUSES) for r in i.shard_assignments.runner_to_shard)
+        ]
+        if ready:
+            yield f"event: ready\ndata: {json.dumps({'instance_id': ready[0].instance_id})}\n\n"
+            return
+        failed = [s for s in statuses.values() if isinstance(s, RunnerFailed)]
+        if failed and instance_id is not None:
+            yield f"event: error\ndata: {json.dumps({'message': failed[0].error_message})}\n\n"
+            return
+        if not instances and instance_id is not None and loop.time() > deadline - timeout + 5:
+            yield f"event: error\ndata: {json.dumps({'message': f'instance {instance_id} does not exist'})}\n\n"
+            return
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            yield f"event: error\ndata: {json.dumps({'message': 'timed out waiting for the instance'})}\n\n"
+            return
+        try:
+            await node.replica.wait_for(lambda s: s is not state, timeout=min(remaining, 1.0))
+        except TimeoutError:
+            pass
+
+
+@router.get("/instance/{instance_id}")
+def get_instance(request: Request, instance_id: str) -> Instance:
+    return _instance_or_404(node_of(request).replica.state, instance_id)
+
+
+@router.delete("/instance/{instance_id}")
+def delete_instance(request: Request, instance_id: str) -> InstanceCommandResponse:
+    node = node_of(request)
+    instance = _instance_or_404(node.replica.state, instance_id)
+    command = DeleteInstance(instance_id=instance.instance_id)
+    node.send_command(command)
+    return InstanceCommandResponse(
+        message="deleting instance", command_id=command.command_id, instance_id=instance.instance_id
+    )

@@ -1,0 +1,171 @@
+"""Generation with MLX: one mlx-lm `generate_step` stream per request, advanced a token
+at a time so new requests and cancellations are picked up between tokens."""
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
+
+from exo.engine.base import LayerProgress
+from exo.engine.mlx.chat_template import encode_prompt
+from exo.engine.mlx.loading import load_shard
+from exo.engine.stop_sequences import StopSequenceFilter
+from exo.shared.types.common import CommandId, ModelId
+from exo.shared.types.instances import Instance
+from exo.shared.types.shards import ShardMetadata
+from exo.shared.types.text_generation import (
+    ChatMessage,
+    ChunkGenerated,
+    GenerationStats,
+    TextGenerationTaskParams,
+    Usage,
+)
+
+DEFAULT_MAX_TOKENS = 1024
+
+
+@dataclass
+class _Request:
+    request_id: str
+    tokens: Iterator[tuple[mx.array, mx.array]]
+    detokenizer: StreamingDetokenizer
+    stop_filter: StopSequenceFilter
+    max_tokens: int
+    prompt_tokens: int
+    submitted_at: float
+    first_token_at: float | None = None
+    generated: int = 0
+    token_ids: list[int] = field(default_factory=list)
+
+
+class MlxEngine:
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.tokenizer: TokenizerWrapper | None = None
+        self.card_defaults: dict[str, float | int] = {}
+        self._requests: dict[str, _Request] = {}
+
+    def connect(self, instance: Instance, shard: ShardMetadata) -> None:
+        if shard.world_size > 1:
+            raise NotImplementedError("multi-rank groups arrive with distributed inference")
+
+    def load(self, model_dir: Path, shard: ShardMetadata, on_layer_loaded: LayerProgress) -> None:
+        self.model, self.tokenizer = load_shard(model_dir, shard, on_layer_loaded)
+        defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
+        self.card_defaults = defaults
+
+    def warm_up(self) -> int:
+        params = TextGenerationTaskParams(
+            model=ModelId("warmup"),
+            messages=[ChatMessage(role="user", content="Hello")],
+            max_tokens=4,
+            temperature=0.0,
+        )
+        self.submit("warmup", params)
+        generated = 0
+        while self.has_work:
+            generated += sum(len(chunk.token_ids) for chunk in self.step())
+        return generated
+
+    def submit(self, request_id: str, params: TextGenerationTaskParams) -> None:
+        assert self.model is not None and self.tokenizer is not None, "load() first"
+        prompt = encode_prompt(self.tokenizer, params)
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
+        detokenizer = self.tokenizer.detokenizer
+        detokenizer.reset()
+        self._requests[request_id] = _Request(
+            request_id=request_id,
+            tokens=generate_step(
+                mx.array(prompt),
+                self.model,
+                max_tokens=max_tokens,
+                sampler=self._sampler(params),
+            ),
+            detokenizer=detokenizer,
+            stop_filter=StopSequenceFilter(params.stop),
+            max_tokens=max_tokens,
+            prompt_tokens=len(prompt),
+            submitted_at=time.perf_counter(),
+        )
+
+    def _sampler(self, params: TextGenerationTaskParams):
+        def pick(name: str, fallback: float | int) -> float | int:
+            value = getattr(params, name)
+            return value if value is not None else self.card_defaults.get(name, fallback)
+
+        return make_sampler(
+            temp=float(pick("temperature", 0.7)),
+            top_p=float(pick("top_p", 1.0)),
+            min_p=float(pick("min_p", 0.0)),
+            top_k=int(pick("top_k", 0)),
+        )
+
+    def step(self) -> list[ChunkGenerated]:
+        return [self._advance(request) for request in list(self._requests.values())]
+
+    def _advance(self, request: _Request) -> ChunkGenerated:
+        assert self.tokenizer is not None
+        token_array, _ = next(request.tokens)
+        token = int(token_array.item()) if isinstance(token_array, mx.array) else int(token_array)
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+        request.generated += 1
+        finish_reason = None
+        if token in self.tokenizer.eos_token_ids:
+            finish_reason = "stop"
+        else:
+            request.detokenizer.add_token(token)
+            if request.generated >= request.max_tokens:
+                finish_reason = "length"
+        if finish_reason is not None:
+            request.detokenizer.finalize()
+        text, stopped = request.stop_filter.feed(request.detokenizer.last_segment)
+        if stopped:
+            finish_reason = "stop"
+        elif finish_reason is not None:
+            text += request.stop_filter.flush()
+        chunk = ChunkGenerated(
+            command_id=CommandId(request.request_id),
+            text=text,
+            token_ids=[token],
+            finish_reason=finish_reason,
+        )
+        if finish_reason is None:
+            return chunk
+        del self._requests[request.request_id]
+        return chunk.model_copy(update={"usage": self._usage(request), "stats": self._stats(request)})
+
+    def _usage(self, request: _Request) -> Usage:
+        return Usage(prompt_tokens=request.prompt_tokens, completion_tokens=request.generated)
+
+    def _stats(self, request: _Request) -> GenerationStats:
+        now = time.perf_counter()
+        first = request.first_token_at or now
+        prefill_seconds = max(first - request.submitted_at, 1e-9)
+        decode_seconds = max(now - first, 1e-9)
+        return GenerationStats(
+            prompt_tps=request.prompt_tokens / prefill_seconds,
+            generation_tps=(request.generated - 1) / decode_seconds if request.generated > 1 else 0.0,
+            prompt_tokens=request.prompt_tokens,
+            generation_tokens=request.generated,
+        )
+
+    def cancel(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    def close(self) -> None:
+        self._requests.clear()
+        self.model = None
+        self.tokenizer = None

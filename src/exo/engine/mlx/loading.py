@@ -1,0 +1,34 @@
+"""Loading a model shard from an HF-layout directory with mlx-lm's model classes."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_model, load_tokenizer
+
+from exo.engine.base import LayerProgress
+from exo.shared.types.shards import ShardMetadata
+
+
+def model_layers(model: nn.Module) -> list[nn.Module]:
+    # mlx-lm models expose their blocks as `.layers` on the outer or the inner model.
+    if hasattr(model, "layers"):
+        return list(model.layers)
+    return list(model.model.layers)
+
+
+def load_shard(
+    model_dir: Path, shard: ShardMetadata, on_layer_loaded: LayerProgress
+) -> tuple[nn.Module, TokenizerWrapper]:
+    model, config = load_model(model_dir, lazy=True)
+    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    if shard.world_size > 1:
+        raise NotImplementedError("multi-rank shards arrive with distributed inference")
+    layers = model_layers(model)
+    # Materialise layer by layer so progress is visible and peak memory grows smoothly.
+    for loaded, layer in enumerate(layers, 1):
+        mx.eval(layer.parameters())
+        on_layer_loaded(loaded, len(layers))
+    mx.eval(model.parameters())
+    return model, tokenizer

@@ -1,0 +1,69 @@
+"""The `exo` command."""
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from loguru import logger
+
+from exo.node import Node, NodeConfig
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="exo",
+        description="Run an exo node. EXO_HOME (default ~/.exo) holds its config, data, cache and logs.",
+    )
+    parser.add_argument("--api-port", type=int, default=52415, help="HTTP API and dashboard port")
+    parser.add_argument("--api-host", default="0.0.0.0", help="address the HTTP API binds to")
+    parser.add_argument("--listen-port", type=int, default=0, help="cluster transport port (cluster support: next release)")
+    parser.add_argument("--discovery-port", type=int, default=0, help="UDP discovery port (cluster support: next release)")
+    parser.add_argument(
+        "--bootstrap-peers",
+        default="",
+        help="comma-separated tcp/HOST:PORT peers to join (cluster support: next release)",
+    )
+    parser.add_argument("--namespace", default="exo", help="keeps clusters on one network apart")
+    parser.add_argument("--offline", action="store_true", help="never reach a model hub; use local models only")
+    parser.add_argument("--no-worker", action="store_true", help="serve the API and coordinate, but run no models")
+    parser.add_argument("--force-master", action="store_true", help="always win master elections")
+    parser.add_argument("--place-model", metavar="MODEL_ID", help="place this model once the node is up")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return parser.parse_args(argv)
+
+
+def exo_home() -> Path:
+    return Path(os.environ.get("EXO_HOME", Path.home() / ".exo")).expanduser().resolve()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    home = exo_home()
+    home.mkdir(parents=True, exist_ok=True)
+    logger.remove()
+    logger.add(sys.stderr, level="DEBUG" if args.verbose else "INFO")
+    logger.add(home / "logs" / "exo.log", level="DEBUG", rotation="20 MB", retention=3)
+    config = NodeConfig(
+        exo_home=home,
+        api_port=args.api_port,
+        api_host=args.api_host,
+        listen_port=args.listen_port,
+        discovery_port=args.discovery_port,
+        bootstrap_peers=tuple(p for p in args.bootstrap_peers.split(",") if p),
+        namespace=args.namespace,
+        offline=args.offline,
+        run_worker=not args.no_worker,
+        force_master=args.force_master,
+        verbose=args.verbose,
+        place_model=args.place_model,
+    )
+    try:
+        asyncio.run(Node(config).run())
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The master: the single writer of the cluster's history. It turns commands and the
+workers' local events into indexed events, logs them durably, and broadcasts them."""
+
+import asyncio
+from pathlib import Path
+
+from loguru import logger
+
+from exo.master.event_log import EventLog
+from exo.routing.router import Router, Topic
+from exo.shared.apply import apply
+from exo.shared.types.commands import (
+    Command,
+    CreateInstance,
+    DeleteInstance,
+    TaskFinished,
+    TextGeneration,
+)
+from exo.shared.types.common import (
+    CommandId,
+    InstanceId,
+    ModelId,
+    NodeId,
+    TaskId,
+    new_id,
+)
+from exo.shared.types.events import (
+    Event,
+    IndexedEvent,
+    InstanceCreated,
+    InstanceDeleted,
+    MasterElected,
+    TaskCreated,
+    TaskDeleted,
+    TaskStatusUpdated,
+)
+from exo.shared.types.runners import SERVING_STATUSES
+from exo.shared.types.state import State
+from exo.shared.types.tasks import (
+    FINISHED_TASK_STATUSES,
+    TaskStatus,
+    TextGenerationTask,
+)
+from exo.shared.types.text_generation import ChunkGenerated
+
+
+class Master:
+    def __init__(self, node_id: NodeId, router: Router, log_path: Path) -> None:
+        self.node_id = node_id
+        self.router = router
+        self.log = EventLog(log_path)
+        self.state = State()
+        for indexed in self.log.events:
+            self.state = apply(self.state, indexed)
+        self._commands = router.subscribe(Topic.COMMANDS)
+        self._local_events = router.subscribe(Topic.LOCAL_EVENTS)
+
+    async def run(self) -> None:
+        self._take_office()
+        await asyncio.gather(self._consume_commands(), self._consume_local_events())
+
+    def close(self) -> None:
+        self.log.close()
+
+    def _take_office(self) -> None:
+        """Claim the log, and fail tasks a previous master left behind: nobody is
+        waiting on their streams any more."""
+        self.emit(MasterElected(node_id=self.node_id))
+        for task in list(self.state.tasks.values()):
+            self.emit(TaskDeleted(task_id=task.task_id))
+
+    async def _consume_commands(self) -> None:
+        while True:
+            command = await self._commands.get()
+            try:
+                self.handle_command(command)
+            except Exception:
+                logger.exception(f"master: command {command.kind} failed")
+
+    async def _consume_local_events(self) -> None:
+        while True:
+            self.emit(await self._local_events.get())
+
+    def emit(self, event: Event) -> None:
+        indexed = IndexedEvent(idx=self.state.last_event_applied_idx + 1, event=event)
+        self.state = apply(self.state, indexed)
+        self.log.append(indexed)
+        self.router.publish(Topic.GLOBAL_EVENTS, indexed)
+
+    def handle_command(self, command: Command) -> None:
+        match command:
+            case CreateInstance(instance=instance):
+                if instance.instance_id not in self.state.instances:
+                    self.emit(InstanceCreated(instance=instance))
+            case DeleteInstance(instance_id=instance_id, reason=reason):
+                self._delete_instance(instance_id, reason)
+            case TextGeneration(command_id=command_id, params=params):
+                self._start_text_generation(command_id, params.model, command)
+            case TaskFinished(finished_command_id=finished_command_id):
+                for task in list(self.state.tasks.values()):
+                    if task.command_id == finished_command_id:
+                        self.emit(TaskDeleted(task_id=task.task_id))
+
+    def _delete_instance(self, instance_id: InstanceId, reason: str) -> None:
+        if instance_id not in self.state.instances:
+            return
+        for task in list(self.state.tasks.values()):
+            if task.instance_id == instance_id and task.status not in FINISHED_TASK_STATUSES:
+                message = f"instance {instance_id} was deleted: {reason}"
+                self.emit(TaskStatusUpdated(task_id=task.task_id, status=TaskStatus.Failed, error_message=message))
+                self._fail_stream(task.command_id, message)
+        self.emit(InstanceDeleted(instance_id=instance_id, reason=reason))
+
+    def _start_text_generation(self, command_id: CommandId, model_id: ModelId, command: TextGeneration) -> None:
+        instance_id = least_loaded_instance(self.state, model_id)
+        if instance_id is None:
+            self._fail_stream(command_id, f"no running instance serves model '{model_id}'")
+            return
+        task = TextGenerationTask(
+            task_id=TaskId(new_id()),
+            command_id=command_id,
+            instance_id=instance_id,
+            params=command.params,
+        )
+        self.emit(TaskCreated(task=task))
+
+    def _fail_stream(self, command_id: CommandId, message: str) -> None:
+        self.router.publish(
+            Topic.CHUNKS,
+            ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message),
+        )
+
+
+def least_loaded_instance(state: State, model_id: ModelId) -> InstanceId | None:
+    """The serving instance of this model with the fewest unfinished tasks."""
+    candidates = [
+        instance_id
+        for instance_id, instance in state.instances.items()
+        if instance.model_id == model_id
+        and all(
+            isinstance(state.runners.get(runner_id), SERVING_STATUSES)
+            for runner_id in instance.shard_assignments.runner_to_shard
+        )
+    ]
+    if not candidates:
+        return None
+
+    def load(instance_id: InstanceId) -> int:
+        return sum(
+            1
+            for task in state.tasks.values()
+            if task.instance_id == instance_id and task.status not in FINISHED_TASK_STATUSES
+        )
+
+    return min(candidates, key=lambda instance_id: (load(instance_id), instance_id))

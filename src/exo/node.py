@@ -1,0 +1,113 @@
+"""One exo node: election, master (when elected), worker, and the HTTP API, wired
+together over the router."""
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from loguru import logger
+
+from exo.master.master import Master
+from exo.routing.election import Election
+from exo.routing.router import Router, Topic
+from exo.shared.models.model_cards import ModelCard, all_cards
+from exo.shared.replica import StateReplica
+from exo.shared.types.commands import Command
+from exo.shared.types.common import NodeId, new_id
+from exo.worker.worker import Worker
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    exo_home: Path
+    api_port: int = 52415
+    api_host: str = "0.0.0.0"
+    listen_port: int = 0
+    discovery_port: int = 0
+    bootstrap_peers: tuple[str, ...] = ()
+    namespace: str = "exo"
+    offline: bool = False
+    run_worker: bool = True
+    force_master: bool = False
+    verbose: bool = False
+    place_model: str | None = None
+
+
+def load_node_id(exo_home: Path) -> NodeId:
+    """A node keeps its id across restarts."""
+    path = exo_home / "config" / "node_id"
+    if path.exists():
+        return NodeId(path.read_text().strip())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    node_id = NodeId(new_id())
+    path.write_text(node_id)
+    return node_id
+
+
+class Node:
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.node_id = load_node_id(config.exo_home)
+        self.router = Router()
+        self.replica = StateReplica(self.router)
+        self.master: Master | None = None
+        self.worker = (
+            Worker(self.node_id, self.router, self.replica, config.exo_home, config.api_port, config.verbose)
+            if config.run_worker
+            else None
+        )
+        self.election = Election(self.node_id, self.router, self._on_elected, config.force_master)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def cards(self) -> dict[str, ModelCard]:
+        return all_cards(self.config.exo_home)
+
+    def send_command(self, command: Command) -> None:
+        self.election.commands_seen += 1
+        self.router.publish(Topic.COMMANDS, command)
+
+    async def _on_elected(self, master_id: NodeId) -> None:
+        if master_id == self.node_id and self.master is None:
+            logger.info(f"node {self.node_id} is the master")
+            self.master = Master(self.node_id, self.router, self.config.exo_home / "data" / "event_log.jsonl")
+            self._tasks.append(asyncio.create_task(self.master.run(), name="master"))
+
+    async def run(self) -> None:
+        from exo.api.app import create_app
+
+        self._tasks.append(asyncio.create_task(self.replica.run(), name="replica"))
+        await self.election.run_round()
+        if self.worker is not None:
+            self._tasks.append(asyncio.create_task(self.worker.run(), name="worker"))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(self),
+                host=self.config.api_host,
+                port=self.config.api_port,
+                log_level="warning",
+                timeout_graceful_shutdown=2,
+            )
+        )
+        if self.config.place_model:
+            self._tasks.append(asyncio.create_task(self._place_on_start(self.config.place_model)))
+        print(f"exo node {self.node_id} serving http://localhost:{self.config.api_port}", flush=True)
+        try:
+            await server.serve()
+        finally:
+            await self.close()
+
+    async def _place_on_start(self, model_id: str) -> None:
+        from exo.api.routers.cluster import place_model
+
+        await self.replica.wait_for(lambda s: self.node_id in s.nodes, timeout=30)
+        place_model(self, model_id)
+        logger.info(f"placing {model_id}")
+
+    async def close(self) -> None:
+        if self.worker is not None:
+            await self.worker.close()
+        for task in self._tasks:
+            task.cancel()
+        if self.master is not None:
+            self.master.close()

@@ -1,0 +1,87 @@
+"""The only way State changes: a pure function of (State, IndexedEvent)."""
+
+from typing import TypeVar
+
+from exo.shared.types.events import (
+    Event,
+    IndexedEvent,
+    InstanceCreated,
+    InstanceDeleted,
+    MasterElected,
+    NodeDownloadProgress,
+    NodeGatheredInfo,
+    NodeTimedOut,
+    RunnerDeleted,
+    RunnerStatusUpdated,
+    TaskCreated,
+    TaskDeleted,
+    TaskStatusUpdated,
+)
+from exo.shared.types.state import State
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class EventOrderError(ValueError):
+    """An event arrived with an index other than the next one."""
+
+
+def apply(state: State, indexed: IndexedEvent) -> State:
+    expected = state.last_event_applied_idx + 1
+    if indexed.idx != expected:
+        raise EventOrderError(f"expected event {expected}, got {indexed.idx}")
+    new_state = apply_event(state, indexed.event)
+    return new_state.model_copy(update={"last_event_applied_idx": indexed.idx})
+
+
+def apply_event(state: State, event: Event) -> State:
+    match event:
+        case MasterElected(node_id=node_id):
+            return state.model_copy(update={"master_node_id": node_id})
+        case NodeGatheredInfo(info=info):
+            return state.model_copy(update={"nodes": {**state.nodes, info.node_id: info}})
+        case NodeTimedOut(node_id=node_id):
+            return state.model_copy(
+                update={
+                    "nodes": _without(state.nodes, node_id),
+                    "downloads": _without(state.downloads, node_id),
+                }
+            )
+        case InstanceCreated(instance=instance):
+            instances = {**state.instances, instance.instance_id: instance}
+            return state.model_copy(update={"instances": instances})
+        case InstanceDeleted(instance_id=instance_id):
+            instance = state.instances.get(instance_id)
+            runners = state.runners
+            if instance is not None:
+                gone = instance.shard_assignments.runner_to_shard.keys()
+                runners = {r: s for r, s in runners.items() if r not in gone}
+            return state.model_copy(
+                update={"instances": _without(state.instances, instance_id), "runners": runners}
+            )
+        case RunnerStatusUpdated(runner_id=runner_id, status=status):
+            if not any(runner_id in i.shard_assignments.runner_to_shard for i in state.instances.values()):
+                return state  # a late report from a runner of a deleted instance
+            return state.model_copy(update={"runners": {**state.runners, runner_id: status}})
+        case RunnerDeleted(runner_id=runner_id):
+            return state.model_copy(update={"runners": _without(state.runners, runner_id)})
+        case TaskCreated(task=task):
+            return state.model_copy(update={"tasks": {**state.tasks, task.task_id: task}})
+        case TaskStatusUpdated(task_id=task_id, status=status, error_message=error):
+            task = state.tasks.get(task_id)
+            if task is None:
+                return state
+            updated = task.model_copy(update={"status": status, "error_message": error})
+            return state.model_copy(update={"tasks": {**state.tasks, task_id: updated}})
+        case TaskDeleted(task_id=task_id):
+            return state.model_copy(update={"tasks": _without(state.tasks, task_id)})
+        case NodeDownloadProgress(node_id=node_id, model_id=model_id, progress=progress):
+            node_downloads = {**state.downloads.get(node_id, {}), model_id: progress}
+            return state.model_copy(
+                update={"downloads": {**state.downloads, node_id: node_downloads}}
+            )
+
+
+def _without(mapping: dict[K, V], key: K) -> dict[K, V]:
+    return {k: v for k, v in mapping.items() if k != key}

@@ -1,0 +1,44 @@
+"""What nodes ask the master to do. Every command carries its own id."""
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from exo.shared.types.common import CommandId, FrozenModel, InstanceId, new_id
+from exo.shared.types.instances import Instance
+from exo.shared.types.text_generation import TextGenerationTaskParams
+
+
+class CommandBase(FrozenModel):
+    command_id: CommandId = Field(default_factory=lambda: CommandId(new_id()))
+
+
+class CreateInstance(CommandBase):
+    kind: Literal["CreateInstance"] = "CreateInstance"
+    instance: Instance
+
+
+class DeleteInstance(CommandBase):
+    kind: Literal["DeleteInstance"] = "DeleteInstance"
+    instance_id: InstanceId
+    reason: str = "deleted by request"
+
+
+class TextGeneration(CommandBase):
+    kind: Literal["TextGeneration"] = "TextGeneration"
+    params: TextGenerationTaskParams
+
+
+class TaskFinished(CommandBase):
+    """The API is done with the stream of the TextGeneration command `finished_command_id`,
+    because it ended or because the client left; the master drops the task from State,
+    which also stops its generation."""
+
+    kind: Literal["TaskFinished"] = "TaskFinished"
+    finished_command_id: CommandId
+
+
+Command = Annotated[
+    CreateInstance | DeleteInstance | TextGeneration | TaskFinished,
+    Field(discriminator="kind"),
+]

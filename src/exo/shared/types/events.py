@@ -1,0 +1,101 @@
+"""Everything that changes State. The master gives each event a global index."""
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from exo.shared.types.common import (
+    FrozenModel,
+    InstanceId,
+    ModelId,
+    NodeId,
+    RunnerId,
+    TaskId,
+)
+from exo.shared.types.downloads import DownloadProgress
+from exo.shared.types.instances import Instance
+from exo.shared.types.nodes import NodeInfo
+from exo.shared.types.runners import RunnerStatus
+from exo.shared.types.tasks import TaskStatus, TextGenerationTask
+
+
+class MasterElected(FrozenModel):
+    kind: Literal["MasterElected"] = "MasterElected"
+    node_id: NodeId
+
+
+class NodeGatheredInfo(FrozenModel):
+    kind: Literal["NodeGatheredInfo"] = "NodeGatheredInfo"
+    info: NodeInfo
+
+
+class NodeTimedOut(FrozenModel):
+    kind: Literal["NodeTimedOut"] = "NodeTimedOut"
+    node_id: NodeId
+
+
+class InstanceCreated(FrozenModel):
+    kind: Literal["InstanceCreated"] = "InstanceCreated"
+    instance: Instance
+
+
+class InstanceDeleted(FrozenModel):
+    kind: Literal["InstanceDeleted"] = "InstanceDeleted"
+    instance_id: InstanceId
+    reason: str = ""
+
+
+class RunnerStatusUpdated(FrozenModel):
+    kind: Literal["RunnerStatusUpdated"] = "RunnerStatusUpdated"
+    runner_id: RunnerId
+    status: RunnerStatus
+
+
+class RunnerDeleted(FrozenModel):
+    kind: Literal["RunnerDeleted"] = "RunnerDeleted"
+    runner_id: RunnerId
+
+
+class TaskCreated(FrozenModel):
+    kind: Literal["TaskCreated"] = "TaskCreated"
+    task: TextGenerationTask
+
+
+class TaskStatusUpdated(FrozenModel):
+    kind: Literal["TaskStatusUpdated"] = "TaskStatusUpdated"
+    task_id: TaskId
+    status: TaskStatus
+    error_message: str | None = None
+
+
+class TaskDeleted(FrozenModel):
+    kind: Literal["TaskDeleted"] = "TaskDeleted"
+    task_id: TaskId
+
+
+class NodeDownloadProgress(FrozenModel):
+    kind: Literal["NodeDownloadProgress"] = "NodeDownloadProgress"
+    node_id: NodeId
+    model_id: ModelId
+    progress: DownloadProgress
+
+
+Event = Annotated[
+    MasterElected
+    | NodeGatheredInfo
+    | NodeTimedOut
+    | InstanceCreated
+    | InstanceDeleted
+    | RunnerStatusUpdated
+    | RunnerDeleted
+    | TaskCreated
+    | TaskStatusUpdated
+    | TaskDeleted
+    | NodeDownloadProgress,
+    Field(discriminator="kind"),
+]
+
+
+class IndexedEvent(FrozenModel):
+    idx: int = Field(ge=0)
+    event: Event

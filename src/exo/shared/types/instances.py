@@ -1,0 +1,38 @@
+"""A placed model: which runner on which node holds which shard."""
+
+from enum import StrEnum
+
+from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId
+from exo.shared.types.shards import ShardMetadata
+
+
+class Sharding(StrEnum):
+    Pipeline = "Pipeline"
+    Tensor = "Tensor"
+
+
+class InstanceMeta(StrEnum):
+    MlxRing = "MlxRing"
+
+
+class ShardAssignments(FrozenModel):
+    model_id: ModelId
+    runner_to_shard: dict[RunnerId, ShardMetadata]
+    node_to_runner: dict[NodeId, RunnerId]
+
+
+class Instance(FrozenModel):
+    instance_id: InstanceId
+    sharding: Sharding
+    instance_meta: InstanceMeta = InstanceMeta.MlxRing
+    shard_assignments: ShardAssignments
+    # One "host:port" per rank for the MLX ring; empty for a single-rank instance.
+    hosts: list[str] = []
+
+    @property
+    def model_id(self) -> ModelId:
+        return self.shard_assignments.model_id
+
+    @property
+    def world_size(self) -> int:
+        return len(self.shard_assignments.runner_to_shard)

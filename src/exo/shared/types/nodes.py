@@ -1,0 +1,19 @@
+"""What a node tells the cluster about itself."""
+
+from exo.shared.types.common import FrozenModel, NodeId
+
+
+class MemoryInfo(FrozenModel):
+    total_bytes: int
+    available_bytes: int
+
+
+class NodeInfo(FrozenModel):
+    node_id: NodeId
+    friendly_name: str
+    os: str
+    backend: str  # "cpu" or "metal": what MLX computes on
+    cpu_count: int
+    memory: MemoryInfo
+    disk_available_bytes: int
+    api_port: int

@@ -1,0 +1,74 @@
+"""The life of a runner subprocess, as every node sees it in State."""
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from exo.shared.types.common import FrozenModel
+
+
+class RunnerIdle(FrozenModel):
+    kind: Literal["RunnerIdle"] = "RunnerIdle"
+
+
+class RunnerConnecting(FrozenModel):
+    kind: Literal["RunnerConnecting"] = "RunnerConnecting"
+
+
+class RunnerConnected(FrozenModel):
+    kind: Literal["RunnerConnected"] = "RunnerConnected"
+
+
+class RunnerLoading(FrozenModel):
+    kind: Literal["RunnerLoading"] = "RunnerLoading"
+    layers_loaded: int = 0
+    total_layers: int = 0
+
+
+class RunnerLoaded(FrozenModel):
+    kind: Literal["RunnerLoaded"] = "RunnerLoaded"
+
+
+class RunnerWarmingUp(FrozenModel):
+    kind: Literal["RunnerWarmingUp"] = "RunnerWarmingUp"
+
+
+class RunnerReady(FrozenModel):
+    kind: Literal["RunnerReady"] = "RunnerReady"
+
+
+class RunnerRunning(FrozenModel):
+    kind: Literal["RunnerRunning"] = "RunnerRunning"
+    active_tasks: int = 1
+
+
+class RunnerShuttingDown(FrozenModel):
+    kind: Literal["RunnerShuttingDown"] = "RunnerShuttingDown"
+
+
+class RunnerShutdown(FrozenModel):
+    kind: Literal["RunnerShutdown"] = "RunnerShutdown"
+
+
+class RunnerFailed(FrozenModel):
+    kind: Literal["RunnerFailed"] = "RunnerFailed"
+    error_message: str
+    attempt: int = 1
+
+
+RunnerStatus = Annotated[
+    RunnerIdle
+    | RunnerConnecting
+    | RunnerConnected
+    | RunnerLoading
+    | RunnerLoaded
+    | RunnerWarmingUp
+    | RunnerReady
+    | RunnerRunning
+    | RunnerShuttingDown
+    | RunnerShutdown
+    | RunnerFailed,
+    Field(discriminator="kind"),
+]
+
+SERVING_STATUSES = (RunnerReady, RunnerRunning)

@@ -1,0 +1,25 @@
+"""The cluster's shared picture. Every node rebuilds it by applying the same events."""
+
+from exo.shared.types.common import (
+    FrozenModel,
+    InstanceId,
+    ModelId,
+    NodeId,
+    RunnerId,
+    TaskId,
+)
+from exo.shared.types.downloads import DownloadProgress
+from exo.shared.types.instances import Instance
+from exo.shared.types.nodes import NodeInfo
+from exo.shared.types.runners import RunnerStatus
+from exo.shared.types.tasks import TextGenerationTask
+
+
+class State(FrozenModel):
+    last_event_applied_idx: int = -1
+    master_node_id: NodeId | None = None
+    nodes: dict[NodeId, NodeInfo] = {}
+    instances: dict[InstanceId, Instance] = {}
+    runners: dict[RunnerId, RunnerStatus] = {}
+    tasks: dict[TaskId, TextGenerationTask] = {}
+    downloads: dict[NodeId, dict[ModelId, DownloadProgress]] = {}

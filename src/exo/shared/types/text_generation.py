@@ -1,0 +1,62 @@
+"""The one internal request every API adapter converts to, and the chunks it yields."""
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from exo.shared.types.common import CommandId, FrozenModel, ModelId
+
+FinishReason = Literal["stop", "length", "tool_calls", "error", "cancelled"]
+
+
+class ChatMessage(FrozenModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Plain text, or the parts of a multimodal message as the client sent them.
+    content: str | list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class TextGenerationTaskParams(FrozenModel):
+    model: ModelId
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] = []
+    tools: list[dict[str, Any]] | None = None
+    enable_thinking: bool | None = None
+
+
+class Usage(FrozenModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class GenerationStats(FrozenModel):
+    prompt_tps: float
+    generation_tps: float
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class ChunkGenerated(FrozenModel):
+    """One piece of a streamed answer. Chunks are not State: they travel on their own
+    topic to the API that asked, never through the event log."""
+
+    command_id: CommandId
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    error_message: str | None = None
+    usage: Usage | None = None
+    stats: GenerationStats | None = None

@@ -1,0 +1,175 @@
+"""What this node's worker should do next: a pure function of State and of what the
+worker knows about its own runner processes."""
+
+from dataclasses import dataclass
+
+from exo.shared.types.common import InstanceId, NodeId, RunnerId, TaskId
+from exo.shared.types.downloads import DownloadCompleted, DownloadFailed
+from exo.shared.types.instances import Instance
+from exo.shared.types.runners import (
+    SERVING_STATUSES,
+    RunnerConnected,
+    RunnerConnecting,
+    RunnerFailed,
+    RunnerIdle,
+    RunnerLoaded,
+    RunnerLoading,
+    RunnerStatus,
+    RunnerWarmingUp,
+)
+from exo.shared.types.state import State
+from exo.shared.types.tasks import TaskStatus
+
+MAX_RUNNER_ATTEMPTS = 3
+RESTART_BACKOFF_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class LocalRunner:
+    """The worker's own view of one runner process."""
+
+    runner_id: RunnerId
+    instance_id: InstanceId
+    sent: frozenset[str]
+    forwarded: frozenset[TaskId]
+    in_flight: frozenset[TaskId]
+    exited: bool
+    exited_at: float | None
+    attempt: int
+
+
+@dataclass(frozen=True)
+class CreateRunner:
+    instance_id: InstanceId
+    runner_id: RunnerId
+    attempt: int = 1
+
+
+@dataclass(frozen=True)
+class ShutdownRunner:
+    runner_id: RunnerId
+
+
+@dataclass(frozen=True)
+class DeleteFailedInstance:
+    instance_id: InstanceId
+    reason: str
+
+
+@dataclass(frozen=True)
+class FindModel:
+    instance_id: InstanceId
+
+
+@dataclass(frozen=True)
+class RunnerStep:
+    """ConnectToGroup, LoadModel or StartWarmup."""
+
+    runner_id: RunnerId
+    step: str
+
+
+@dataclass(frozen=True)
+class ForwardTask:
+    runner_id: RunnerId
+    task_id: TaskId
+
+
+@dataclass(frozen=True)
+class CancelTask:
+    runner_id: RunnerId
+    task_id: TaskId
+
+
+PlannerAction = (
+    CreateRunner | ShutdownRunner | DeleteFailedInstance | FindModel | RunnerStep | ForwardTask | CancelTask
+)
+
+
+def plan(node_id: NodeId, state: State, local: dict[RunnerId, LocalRunner], now: float) -> PlannerAction | None:
+    for runner in local.values():
+        if runner.instance_id not in state.instances and not runner.exited:
+            return ShutdownRunner(runner.runner_id)
+
+    for instance in state.instances.values():
+        runner_id = instance.shard_assignments.node_to_runner.get(node_id)
+        if runner_id is None:
+            continue
+        action = _plan_instance(node_id, state, instance, runner_id, local.get(runner_id), now)
+        if action is not None:
+            return action
+    return None
+
+
+def _plan_instance(
+    node_id: NodeId,
+    state: State,
+    instance: Instance,
+    runner_id: RunnerId,
+    runner: LocalRunner | None,
+    now: float,
+) -> PlannerAction | None:
+    download = state.downloads.get(node_id, {}).get(instance.model_id)
+    if isinstance(download, DownloadFailed):
+        return DeleteFailedInstance(instance.instance_id, f"model unavailable: {download.error_message}")
+    if not isinstance(download, DownloadCompleted):
+        return FindModel(instance.instance_id)
+
+    if runner is None:
+        return CreateRunner(instance.instance_id, runner_id)
+    if runner.exited:
+        if runner.attempt >= MAX_RUNNER_ATTEMPTS:
+            status = state.runners.get(runner_id)
+            detail = status.error_message if isinstance(status, RunnerFailed) else "runner exited"
+            return DeleteFailedInstance(
+                instance.instance_id, f"runner failed {runner.attempt} times, last: {detail}"
+            )
+        if runner.exited_at is not None and now - runner.exited_at >= RESTART_BACKOFF_SECONDS * runner.attempt:
+            return CreateRunner(instance.instance_id, runner_id, attempt=runner.attempt + 1)
+        return None
+
+    stages = [_stage(state.runners.get(r)) for r in instance.shard_assignments.runner_to_shard]
+    own = state.runners.get(runner_id)
+    # Each lifecycle step starts only once every rank has finished the previous one,
+    # so ranks move through connect -> load -> warm up together.
+    steps = (
+        ("ConnectToGroup", RunnerIdle),
+        ("LoadModel", RunnerConnected),
+        ("StartWarmup", RunnerLoaded),
+    )
+    for step, ready_status in steps:
+        if step not in runner.sent:
+            ready_stage = _stage(ready_status())
+            if _stage(own) == ready_stage and min(stages) >= ready_stage:
+                return RunnerStep(runner_id, step)
+            return None
+
+    if not isinstance(own, SERVING_STATUSES):
+        return None
+    for task in state.tasks.values():
+        if task.instance_id != instance.instance_id:
+            continue
+        if task.status == TaskStatus.Pending and task.task_id not in runner.forwarded:
+            return ForwardTask(runner_id, task.task_id)
+    # A task the API gave up on (client gone) is deleted from State; stop generating it.
+    for task_id in runner.in_flight:
+        if task_id not in state.tasks:
+            return CancelTask(runner_id, task_id)
+    return None
+
+
+def _stage(status: RunnerStatus | None) -> int:
+    """How far a runner is along connect -> load -> warm up -> serve."""
+    order = (
+        (RunnerIdle,),
+        (RunnerConnecting,),
+        (RunnerConnected,),
+        (RunnerLoading,),
+        (RunnerLoaded,),
+        (RunnerWarmingUp,),
+        SERVING_STATUSES,
+    )
+    for stage, kinds in enumerate(order):
+        if isinstance(status, kinds):
+            return stage
+    return -1

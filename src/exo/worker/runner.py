@@ -1,0 +1,138 @@
+"""The runner subprocess: owns one engine and one model shard, and does what its
+supervisor says. Its own process, so a crash in native code cannot take the node down."""
+
+import sys
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from loguru import logger
+
+from exo.engine.base import Engine
+from exo.shared.types.common import RunnerId, TaskId
+from exo.shared.types.events import RunnerStatusUpdated, TaskStatusUpdated
+from exo.shared.types.instances import Instance
+from exo.shared.types.runners import (
+    RunnerConnected,
+    RunnerConnecting,
+    RunnerFailed,
+    RunnerIdle,
+    RunnerLoaded,
+    RunnerLoading,
+    RunnerReady,
+    RunnerRunning,
+    RunnerShutdown,
+    RunnerShuttingDown,
+    RunnerStatus,
+    RunnerWarmingUp,
+)
+from exo.shared.types.tasks import TaskStatus
+from exo.shared.types.text_generation import ChunkGenerated
+from exo.worker.runner_protocol import (
+    CancelRunnerTask,
+    ConnectToGroup,
+    LoadModel,
+    RunnerInstruction,
+    Shutdown,
+    StartWarmup,
+    SubmitTask,
+)
+
+
+class Runner:
+    def __init__(self, conn: Connection, runner_id: RunnerId, instance: Instance, engine: Engine) -> None:
+        self.conn = conn
+        self.runner_id = runner_id
+        self.instance = instance
+        self.shard = instance.shard_assignments.runner_to_shard[runner_id]
+        self.engine = engine
+        # request id (the command id) -> task id, for the tasks being generated.
+        self.active: dict[str, TaskId] = {}
+
+    def set_status(self, status: RunnerStatus) -> None:
+        self.conn.send(RunnerStatusUpdated(runner_id=self.runner_id, status=status))
+
+    def run(self) -> None:
+        self.set_status(RunnerIdle())
+        while True:
+            # Block for instructions only when idle; while generating, take what has
+            # arrived and keep stepping.
+            while not self.engine.has_work or self.conn.poll():
+                instruction: RunnerInstruction = self.conn.recv()
+                if not self.handle(instruction):
+                    return
+            self.generate_step()
+
+    def handle(self, instruction: RunnerInstruction) -> bool:
+        match instruction:
+            case ConnectToGroup():
+                self.set_status(RunnerConnecting())
+                self.engine.connect(self.instance, self.shard)
+                self.set_status(RunnerConnected())
+            case LoadModel(model_dir=model_dir):
+                self.set_status(RunnerLoading(layers_loaded=0, total_layers=self.shard.end_layer - self.shard.start_layer))
+                self.engine.load(
+                    Path(model_dir),
+                    self.shard,
+                    lambda done, total: self.set_status(RunnerLoading(layers_loaded=done, total_layers=total)),
+                )
+                self.set_status(RunnerLoaded())
+            case StartWarmup():
+                self.set_status(RunnerWarmingUp())
+                tokens = self.engine.warm_up()
+                logger.info(f"runner {self.runner_id}: warmed up with {tokens} tokens")
+                self.set_status(RunnerReady())
+            case SubmitTask(task_id=task_id, command_id=command_id, params=params):
+                try:
+                    self.engine.submit(command_id, params)
+                except Exception as error:  # a bad prompt fails its request, not the runner
+                    logger.exception("submit failed")
+                    self._finish(task_id, command_id, TaskStatus.Failed, f"could not start generation: {error}")
+                    return True
+                if not self.active:
+                    self.set_status(RunnerRunning())
+                self.active[command_id] = task_id
+                self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Running))
+            case CancelRunnerTask(task_id=task_id):
+                for command_id, active_task_id in list(self.active.items()):
+                    if active_task_id == task_id:
+                        self.engine.cancel(command_id)
+                        del self.active[command_id]
+                        self.conn.send(ChunkGenerated(command_id=command_id, finish_reason="cancelled"))
+                self._maybe_ready()
+            case Shutdown():
+                self.set_status(RunnerShuttingDown())
+                self.engine.close()
+                self.set_status(RunnerShutdown())
+                return False
+        return True
+
+    def generate_step(self) -> None:
+        for chunk in self.engine.step():
+            self.conn.send(chunk)
+            if chunk.finish_reason is not None:
+                task_id = self.active.pop(chunk.command_id)
+                self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Complete))
+        self._maybe_ready()
+
+    def _finish(self, task_id: TaskId, command_id: str, status: TaskStatus, message: str) -> None:
+        self.conn.send(ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message))
+        self.conn.send(TaskStatusUpdated(task_id=task_id, status=status, error_message=message))
+
+    def _maybe_ready(self) -> None:
+        if not self.active and not self.engine.has_work:
+            self.set_status(RunnerReady())
+
+
+def runner_main(conn: Connection, runner_id: RunnerId, instance: Instance, verbose: bool) -> None:
+    """Entry point of the spawned process."""
+    logger.remove()
+    logger.add(sys.stderr, level="DEBUG" if verbose else "INFO", format=f"runner {runner_id[:8]} | {{message}}")
+    from exo.engine.mlx.engine import MlxEngine  # MLX is imported only in runners
+
+    runner = Runner(conn, runner_id, instance, MlxEngine())
+    try:
+        runner.run()
+    except Exception as error:
+        logger.exception("runner failed")
+        runner.set_status(RunnerFailed(error_message=f"{type(error).__name__}: {error}"))
+        sys.exit(1)

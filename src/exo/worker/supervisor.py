@@ -1,0 +1,128 @@
+"""One supervisor per runner subprocess: starts it, relays its messages, and turns a
+crash into RunnerFailed plus a clear error on every stream it was serving."""
+
+import asyncio
+import multiprocessing as mp
+from collections.abc import Callable
+from typing import Any
+
+from loguru import logger
+
+from exo.shared.types.common import CommandId, RunnerId, TaskId
+from exo.shared.types.events import Event, RunnerStatusUpdated, TaskStatusUpdated
+from exo.shared.types.instances import Instance
+from exo.shared.types.runners import RunnerFailed, RunnerShutdown
+from exo.shared.types.tasks import FINISHED_TASK_STATUSES, TaskStatus
+from exo.shared.types.text_generation import ChunkGenerated
+from exo.worker.runner import runner_main
+from exo.worker.runner_protocol import (
+    CancelRunnerTask,
+    RunnerInstruction,
+    Shutdown,
+    SubmitTask,
+)
+
+
+class RunnerSupervisor:
+    def __init__(
+        self,
+        runner_id: RunnerId,
+        instance: Instance,
+        on_event: Callable[[Event], None],
+        on_chunk: Callable[[ChunkGenerated], None],
+        verbose: bool = False,
+        attempt: int = 1,
+    ) -> None:
+        self.runner_id = runner_id
+        self.instance = instance
+        self.on_event = on_event
+        self.on_chunk = on_chunk
+        self.attempt = attempt
+        # Instructions already sent, so the planner never repeats a lifecycle step.
+        self.sent: set[str] = set()
+        self.in_flight: dict[TaskId, CommandId] = {}
+        self.exited = False
+        self.failure_message: str | None = None
+        context = mp.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self.process = context.Process(
+            target=runner_main,
+            args=(child_conn, runner_id, instance, verbose),
+            name=f"exo-runner-{runner_id[:8]}",
+            daemon=True,
+        )
+        self.process.start()
+        child_conn.close()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._conn.fileno(), self._on_readable)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def send(self, instruction: RunnerInstruction) -> None:
+        if self.exited:
+            return
+        self.sent.add(instruction.kind)
+        if isinstance(instruction, SubmitTask):
+            self.in_flight[instruction.task_id] = instruction.command_id
+        try:
+            self._conn.send(instruction)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self._on_exit()
+
+    def cancel(self, task_id: TaskId) -> None:
+        self.send(CancelRunnerTask(task_id=task_id))
+
+    def _on_readable(self) -> None:
+        try:
+            while self._conn.poll():
+                self._relay(self._conn.recv())
+        except (EOFError, OSError):
+            self._on_exit()
+
+    def _relay(self, message: Any) -> None:
+        if isinstance(message, ChunkGenerated):
+            self.on_chunk(message)
+            return
+        if isinstance(message, RunnerStatusUpdated) and isinstance(message.status, RunnerFailed):
+            # The runner's own account of its failure beats "exited with code 1".
+            self.failure_message = message.status.error_message
+            return
+        if isinstance(message, TaskStatusUpdated) and message.status in FINISHED_TASK_STATUSES:
+            self.in_flight.pop(message.task_id, None)
+        self.on_event(message)
+
+    def _on_exit(self) -> None:
+        if self.exited:
+            return
+        self.exited = True
+        asyncio.get_running_loop().remove_reader(self._conn.fileno())
+        self.process.join(timeout=5)
+        exit_code = self.process.exitcode
+        if "Shutdown" in self.sent and exit_code == 0:
+            self.on_event(RunnerStatusUpdated(runner_id=self.runner_id, status=RunnerShutdown()))
+            return
+        message = self.failure_message or f"runner process exited unexpectedly (exit code {exit_code})"
+        logger.error(f"runner {self.runner_id}: {message}")
+        for task_id, command_id in self.in_flight.items():
+            self.on_chunk(ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message))
+            self.on_event(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Failed, error_message=message))
+        self.in_flight.clear()
+        self.on_event(
+            RunnerStatusUpdated(
+                runner_id=self.runner_id, status=RunnerFailed(error_message=message, attempt=self.attempt)
+            )
+        )
+
+    async def shutdown(self) -> None:
+        self.send(Shutdown())
+        for _ in range(50):
+            if self.exited or not self.process.is_alive():
+                break
+            await asyncio.sleep(0.1)
+        if self.process.is_alive():
+            self.process.kill()
+        if not self.exited:
+            self._on_exit()
+        self._conn.close()

@@ -1,0 +1,204 @@
+"""The worker: carries out the planner's decisions for this node's runners."""
+
+import asyncio
+import platform
+import socket
+import time
+from pathlib import Path
+
+import psutil
+from loguru import logger
+
+from exo.routing.router import Router, Topic
+from exo.shared.models.model_cards import find_local_model_dir
+from exo.shared.replica import StateReplica
+from exo.shared.types.commands import DeleteInstance
+from exo.shared.types.common import NodeId, RunnerId, TaskId
+from exo.shared.types.downloads import DownloadCompleted, DownloadFailed
+from exo.shared.types.events import Event, NodeDownloadProgress, NodeGatheredInfo
+from exo.shared.types.nodes import MemoryInfo, NodeInfo
+from exo.shared.types.text_generation import ChunkGenerated
+from exo.worker.planner import (
+    CancelTask,
+    CreateRunner,
+    DeleteFailedInstance,
+    FindModel,
+    ForwardTask,
+    LocalRunner,
+    PlannerAction,
+    RunnerStep,
+    ShutdownRunner,
+    plan,
+)
+from exo.worker.runner_protocol import (
+    ConnectToGroup,
+    LoadModel,
+    StartWarmup,
+    SubmitTask,
+)
+from exo.worker.supervisor import RunnerSupervisor
+
+NODE_INFO_INTERVAL_SECONDS = 10.0
+# Report memory again only when it moved this much, to keep the event log small.
+MEMORY_REPORT_THRESHOLD_BYTES = 512 * 2**20
+
+
+class Worker:
+    def __init__(
+        self, node_id: NodeId, router: Router, replica: StateReplica, exo_home: Path, api_port: int, verbose: bool
+    ) -> None:
+        self.node_id = node_id
+        self.router = router
+        self.replica = replica
+        self.exo_home = exo_home
+        self.api_port = api_port
+        self.verbose = verbose
+        self.supervisors: dict[RunnerId, RunnerSupervisor] = {}
+        self.forwarded: dict[RunnerId, set[TaskId]] = {}
+        self.exited_at: dict[RunnerId, float] = {}
+        self._wake = asyncio.Event()
+        replica.on_change(lambda _state: self._wake.set())
+        self._last_reported_memory: int | None = None
+
+    def emit(self, event: Event) -> None:
+        self.router.publish(Topic.LOCAL_EVENTS, event)
+
+    def _on_runner_event(self, event: Event) -> None:
+        self.emit(event)
+        self._wake.set()
+
+    def _on_chunk(self, chunk: ChunkGenerated) -> None:
+        self.router.publish(Topic.CHUNKS, chunk)
+
+    async def run(self) -> None:
+        await asyncio.gather(self._report_node_info(), self._plan_loop())
+
+    async def _report_node_info(self) -> None:
+        while True:
+            info = gather_node_info(self.node_id, self.exo_home, self.api_port)
+            previous = self._last_reported_memory
+            if previous is None or abs(info.memory.available_bytes - previous) > MEMORY_REPORT_THRESHOLD_BYTES:
+                self._last_reported_memory = info.memory.available_bytes
+                self.emit(NodeGatheredInfo(info=info))
+            await asyncio.sleep(NODE_INFO_INTERVAL_SECONDS)
+
+    async def _plan_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            action = plan(self.node_id, self.replica.state, self._local_runners(), time.monotonic())
+            if action is None:
+                # Re-plan at least every half second: restart backoffs are time-based.
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+                except TimeoutError:
+                    pass
+                continue
+            logger.debug(f"worker: {action}")
+            try:
+                await self._execute(action)
+            except Exception:
+                logger.exception(f"worker: {action} failed")
+                await asyncio.sleep(0.5)
+
+    def _local_runners(self) -> dict[RunnerId, LocalRunner]:
+        local = {}
+        for runner_id, supervisor in self.supervisors.items():
+            if supervisor.exited and runner_id not in self.exited_at:
+                self.exited_at[runner_id] = time.monotonic()
+            local[runner_id] = LocalRunner(
+                runner_id=runner_id,
+                instance_id=supervisor.instance.instance_id,
+                sent=frozenset(supervisor.sent),
+                forwarded=frozenset(self.forwarded.get(runner_id, ())),
+                in_flight=frozenset(supervisor.in_flight),
+                exited=supervisor.exited,
+                exited_at=self.exited_at.get(runner_id),
+                attempt=supervisor.attempt,
+            )
+        return local
+
+    async def _execute(self, action: PlannerAction) -> None:
+        state = self.replica.state
+        match action:
+            case FindModel(instance_id=instance_id):
+                model_id = state.instances[instance_id].model_id
+                self._find_model(model_id)
+                await self.replica.wait_for(
+                    lambda s: model_id in s.downloads.get(self.node_id, {}), timeout=10
+                )
+            case CreateRunner(instance_id=instance_id, runner_id=runner_id, attempt=attempt):
+                old = self.supervisors.pop(runner_id, None)
+                if old is not None:
+                    await old.shutdown()
+                self.exited_at.pop(runner_id, None)
+                self.forwarded[runner_id] = set()
+                self.supervisors[runner_id] = RunnerSupervisor(
+                    runner_id,
+                    state.instances[instance_id],
+                    on_event=self._on_runner_event,
+                    on_chunk=self._on_chunk,
+                    verbose=self.verbose,
+                    attempt=attempt,
+                )
+            case ShutdownRunner(runner_id=runner_id):
+                supervisor = self.supervisors.pop(runner_id)
+                await supervisor.shutdown()
+                self.forwarded.pop(runner_id, None)
+                self.exited_at.pop(runner_id, None)
+            case DeleteFailedInstance(instance_id=instance_id, reason=reason):
+                logger.error(f"giving up on instance {instance_id}: {reason}")
+                self.router.publish(Topic.COMMANDS, DeleteInstance(instance_id=instance_id, reason=reason))
+                # Wait for the deletion to come back before planning again.
+                await self.replica.wait_for(lambda s: instance_id not in s.instances, timeout=10)
+            case RunnerStep(runner_id=runner_id, step=step):
+                self.supervisors[runner_id].send(self._lifecycle_instruction(runner_id, step))
+            case ForwardTask(runner_id=runner_id, task_id=task_id):
+                task = state.tasks[task_id]
+                self.forwarded[runner_id].add(task_id)
+                self.supervisors[runner_id].send(
+                    SubmitTask(task_id=task_id, command_id=task.command_id, params=task.params)
+                )
+            case CancelTask(runner_id=runner_id, task_id=task_id):
+                self.supervisors[runner_id].cancel(task_id)
+
+    def _lifecycle_instruction(self, runner_id: RunnerId, step: str):
+        if step == "ConnectToGroup":
+            return ConnectToGroup()
+        if step == "StartWarmup":
+            return StartWarmup()
+        model_id = self.supervisors[runner_id].instance.model_id
+        download = self.replica.state.downloads[self.node_id][model_id]
+        assert isinstance(download, DownloadCompleted)
+        return LoadModel(model_dir=download.path)
+
+    def _find_model(self, model_id: str) -> None:
+        model_dir = find_local_model_dir(model_id, self.exo_home)
+        if model_dir is None:
+            progress = DownloadFailed(
+                error_message=f"{model_id} is not in any models directory on node {self.node_id} "
+                "(downloading from a hub is not available in this build)"
+            )
+        else:
+            size = sum(f.stat().st_size for f in model_dir.iterdir() if f.is_file())
+            progress = DownloadCompleted(total_bytes=size, path=str(model_dir))
+        self.emit(NodeDownloadProgress(node_id=self.node_id, model_id=model_id, progress=progress))
+
+    async def close(self) -> None:
+        for supervisor in list(self.supervisors.values()):
+            await supervisor.shutdown()
+        self.supervisors.clear()
+
+
+def gather_node_info(node_id: NodeId, exo_home: Path, api_port: int) -> NodeInfo:
+    memory = psutil.virtual_memory()
+    is_apple_silicon = platform.system() == "Darwin" and platform.machine() == "arm64"
+    return NodeInfo(
+        node_id=node_id,
+        friendly_name=socket.gethostname(),
+        os=f"{platform.system()} {platform.machine()}",
+        backend="metal" if is_apple_silicon else "cpu",
+        cpu_count=psutil.cpu_count() or 1,
+        memory=MemoryInfo(total_bytes=memory.total, available_bytes=memory.available),
+        disk_available_bytes=psutil.disk_usage(str(exo_home)).free,
+        api_port=api_port,
+    )
