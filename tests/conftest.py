@@ -1,0 +1,144 @@
+"""Fixtures that start real exo nodes as subprocesses, on free ports, each with its own
+EXO_HOME, and a tiny random model they can serve."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from exo.devtools.tiny_models import make_tiny_llama
+
+TINY_MODEL_ID = "acme/tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ExoNode:
+    process: subprocess.Popen[bytes]
+    api_port: int
+    home: Path
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=30, **kwargs)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=30, **kwargs)
+
+    def delete(self, path: str) -> httpx.Response:
+        return httpx.delete(self.url + path, timeout=30)
+
+    def state(self) -> dict:
+        response = self.get("/state")
+        response.raise_for_status()
+        return response.json()
+
+    def wait_for_state(self, condition, timeout: float = 60, what: str = "condition") -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.state()
+            if condition(state):
+                return state
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}; last state: {state}")
+
+    def place(self, model_id: str = TINY_MODEL_ID, timeout: float = 120) -> str:
+        response = self.post("/place_instance", json={"model_id": model_id})
+        assert response.status_code == 200, response.text
+        instance_id = response.json()["instance_id"]
+        with httpx.stream(
+            "GET", f"{self.url}/instance/await", params={"instance_id": instance_id}, timeout=timeout
+        ) as stream:
+            events = [line for line in stream.iter_lines() if line.startswith("event:")]
+        assert events[-1] == "event: ready", f"instance did not become ready: {events}"
+        return instance_id
+
+    def runner_pids(self) -> list[int]:
+        import psutil
+
+        return [
+            child.pid
+            for child in psutil.Process(self.process.pid).children(recursive=True)
+            if "spawn_main" in " ".join(child.cmdline()) and "resource_tracker" not in " ".join(child.cmdline())
+        ]
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def start_node(home: Path, env_extra: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> ExoNode:
+    api_port = free_port()
+    home.mkdir(parents=True, exist_ok=True)
+    log_path = home / "node-output.log"
+    env = {**os.environ, "EXO_HOME": str(home), **(env_extra or {})}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "exo.main", "--api-port", str(api_port), "--api-host", "127.0.0.1", *args],
+        env=env,
+        stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    node = ExoNode(process=process, api_port=api_port, home=home, log_path=log_path)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"exo exited with {process.returncode}:\n{node.logs()}")
+        try:
+            if httpx.get(node.url + "/node_id", timeout=1).status_code == 200:
+                return node
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    stop_node(node)
+    raise RuntimeError(f"exo did not start:\n{node.logs()}")
+
+
+def stop_node(node: ExoNode) -> None:
+    if node.process.poll() is None:
+        os.killpg(node.process.pid, signal.SIGTERM)
+        try:
+            node.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.process.pid, signal.SIGKILL)
+            node.process.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    models_dir = tmp_path_factory.mktemp("models")
+    make_tiny_llama(models_dir / TINY_MODEL_ID.replace("/", "--"))
+    return models_dir
+
+
+@pytest.fixture
+def exo_node(tmp_path: Path, tiny_models_dir: Path, request: pytest.FixtureRequest) -> Iterator[ExoNode]:
+    node = start_node(tmp_path / "exo_home", {"EXO_MODELS_DIRS": str(tiny_models_dir)})
+    yield node
+    stop_node(node)
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        print(f"--- exo node log ---\n{node.logs()[-20000:]}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)

@@ -1,0 +1,136 @@
+"""One real exo node, driven over HTTP with the official openai SDK."""
+
+import time
+
+import openai
+import pytest
+
+from conftest import TINY_MODEL_ID, ExoNode
+
+
+def client(node: ExoNode) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def runner_kinds(state: dict) -> list[str]:
+    return [status["kind"] for status in state["runners"].values()]
+
+
+def test_place_chat_and_delete_with_state_checked_at_each_step(exo_node: ExoNode):
+    state = exo_node.wait_for_state(lambda s: s["nodes"], what="node info")
+    assert state["instances"] == {} and state["runners"] == {} and state["tasks"] == {}
+    assert state["masterNodeId"] == exo_node.get("/node_id").json()
+
+    models = client(exo_node).models.list()
+    assert TINY_MODEL_ID in [m.id for m in models.data]
+
+    instance_id = exo_node.place()
+    state = exo_node.state()
+    assert list(state["instances"]) == [instance_id]
+    assert runner_kinds(state) == ["RunnerReady"]
+    assert state["downloads"][exo_node.get("/node_id").json()][TINY_MODEL_ID]["kind"] == "DownloadCompleted"
+
+    stream = client(exo_node).chat.completions.create(
+        model=TINY_MODEL_ID,
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=12,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish_reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert text
+    assert finish_reasons in (["length"], ["stop"])
+    assert usage is not None and usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+    completion = client(exo_node).chat.completions.create(
+        model=TINY_MODEL_ID,
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=12,
+        temperature=0.0,
+    )
+    # Greedy decoding of the same prompt gives the same text, streamed or not.
+    assert completion.choices[0].message.content == text
+    assert completion.choices[0].finish_reason == finish_reasons[0]
+    assert completion.usage.completion_tokens == usage.completion_tokens
+
+    # Finished tasks leave State once their streams are done.
+    exo_node.wait_for_state(lambda s: s["tasks"] == {}, what="tasks cleared")
+
+    response = exo_node.delete(f"/instance/{instance_id}")
+    assert response.status_code == 200
+    state = exo_node.wait_for_state(lambda s: s["instances"] == {}, what="instance deleted")
+    assert state["runners"] == {}
+    deadline = time.monotonic() + 10
+    while exo_node.runner_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert exo_node.runner_pids() == []
+    assert exo_node.get(f"/instance/{instance_id}").status_code == 404
+
+
+def test_stop_sequences_and_sampling_parameters(exo_node: ExoNode):
+    exo_node.place()
+    openai_client = client(exo_node)
+    base = openai_client.chat.completions.create(
+        model=TINY_MODEL_ID, messages=[{"role": "user", "content": "cat"}], max_tokens=20, temperature=0.0
+    ).choices[0].message.content
+    assert len(base) > 3
+    stop = base[2:4]
+    stopped = openai_client.chat.completions.create(
+        model=TINY_MODEL_ID, messages=[{"role": "user", "content": "cat"}], max_tokens=20, temperature=0.0, stop=[stop]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == base[: base.index(stop)]
+
+    def sampled(seed: int) -> str:
+        return openai_client.chat.completions.create(
+            model=TINY_MODEL_ID,
+            messages=[{"role": "user", "content": "dog"}],
+            max_tokens=16,
+            temperature=1.0,
+            top_p=0.95,
+            seed=seed,
+            extra_body={"top_k": 50, "min_p": 0.01},
+        ).choices[0].message.content
+
+    assert sampled(7) == sampled(7)
+
+
+def test_killed_runner_fails_its_stream_and_node_keeps_serving(exo_node: ExoNode):
+    import os
+    import signal
+
+    exo_node.place()
+    openai_client = client(exo_node)
+    stream = openai_client.chat.completions.create(
+        model=TINY_MODEL_ID,
+        messages=[{"role": "user", "content": "tell me everything"}],
+        max_tokens=200000,
+        stream=True,
+    )
+    received = 0
+    with pytest.raises(openai.APIError) as raised:
+        for chunk in stream:
+            received += 1
+            if received == 5:
+                (runner_pid,) = exo_node.runner_pids()
+                os.kill(runner_pid, signal.SIGKILL)
+    assert received >= 5
+    assert "runner process exited unexpectedly" in str(raised.value)
+
+    state = exo_node.wait_for_state(lambda s: "RunnerFailed" in runner_kinds(s), timeout=10, what="RunnerFailed")
+    (failed,) = [s for s in state["runners"].values() if s["kind"] == "RunnerFailed"]
+    assert "exit code -9" in failed["errorMessage"]
+
+    # The node itself still answers, and the instance comes back by itself.
+    assert exo_node.get("/v1/models").status_code == 200
+    exo_node.wait_for_state(lambda s: runner_kinds(s) == ["RunnerReady"], timeout=60, what="runner restarted")
+    completion = openai_client.chat.completions.create(
+        model=TINY_MODEL_ID, messages=[{"role": "user", "content": "again"}], max_tokens=5
+    )
+    assert completion.choices[0].message.content is not None
+    assert completion.usage.completion_tokens > 0
