@@ -1,0 +1,81 @@
+"""Bad input gets a 4xx in OpenAI's error shape, never a 5xx, and the node stays up."""
+
+import openai
+import pytest
+
+from conftest import TINY_MODEL_ID, ExoNode
+
+
+def assert_openai_error(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] in ("invalid_request_error", "not_found_error")
+    assert {"param", "code"} <= error.keys()
+    return error
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "max_tokens"),
+        ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"model": TINY_MODEL_ID, "messages": "hi"}, "messages"),
+        ({"model": TINY_MODEL_ID, "messages": []}, "messages"),
+        ({"model": TINY_MODEL_ID, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+        ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+        ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "top_p": 2}, "top_p"),
+        ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "stream": "yes please"}, "stream"),
+        ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ],
+)
+def test_malformed_chat_request_is_a_400(exo_node: ExoNode, body: dict, param: str):
+    error = assert_openai_error(exo_node.post("/v1/chat/completions", json=body), 400)
+    assert error["param"] == param
+
+
+def test_bad_json_is_a_400(exo_node: ExoNode):
+    response = exo_node.post(
+        "/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={"content-type": "application/json"}
+    )
+    error = assert_openai_error(response, 400)
+    assert "JSON" in error["message"]
+
+
+def test_unknown_model_is_a_404_through_the_sdk(exo_node: ExoNode):
+    sdk = openai.OpenAI(base_url=f"{exo_node.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as raised:
+        sdk.chat.completions.create(model="nobody/nothing", messages=[{"role": "user", "content": "hi"}])
+    assert "nobody/nothing" in raised.value.message
+
+
+def test_known_model_without_instance_is_a_404_that_says_what_to_do(exo_node: ExoNode):
+    response = exo_node.post(
+        "/v1/chat/completions", json={"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    error = assert_openai_error(response, 404)
+    assert "place" in error["message"]
+
+
+def test_cluster_endpoints_reject_bad_input(exo_node: ExoNode):
+    assert_openai_error(exo_node.post("/place_instance", json={"model_id": "nobody/nothing"}), 404)
+    assert_openai_error(exo_node.post("/place_instance", json={"model_id": TINY_MODEL_ID, "sharding": "Diagonal"}), 400)
+    assert_openai_error(exo_node.post("/place_instance", json={}), 400)
+    assert_openai_error(exo_node.post("/instance", json={"instance": {"nonsense": True}}), 400)
+    assert_openai_error(exo_node.get("/instance/does-not-exist"), 404)
+    assert_openai_error(exo_node.delete("/instance/does-not-exist"), 404)
+    assert_openai_error(exo_node.get("/instance/previews"), 400)
+    assert_openai_error(exo_node.get("/no/such/route"), 404)
+
+
+def test_node_still_serves_after_bad_requests(exo_node: ExoNode):
+    for _ in range(3):
+        exo_node.post("/v1/chat/completions", content=b"garbage", headers={"content-type": "application/json"})
+    exo_node.place()
+    sdk = openai.OpenAI(base_url=f"{exo_node.url}/v1", api_key="unused", max_retries=0)
+    completion = sdk.chat.completions.create(
+        model=TINY_MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert completion.usage.completion_tokens > 0
