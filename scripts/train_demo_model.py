@@ -24,7 +24,7 @@ How to run (from the repo root; ~25 minutes on one CPU core):
     .venv/bin/pip install torch==2.13.0        # CPU build; training-only dependency
     OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python scripts/train_demo_model.py
 
-Useful options: ``--steps N`` (default 1100), ``--out DIR`` (default
+Useful options: ``--steps N`` (default 1200), ``--out DIR`` (default
 ``src/exo/resources/models/exo--demo-chat``), ``--threads N`` (default 1),
 ``--dump-corpus FILE`` (write the generated training text for inspection).
 After training it prints a few greedy sample answers as a smoke test.
@@ -1024,7 +1024,7 @@ def train(args) -> None:
         opt.zero_grad(set_to_none=True)
         step += 1
         seen_tok += x.numel()
-        lv = float(loss)
+        lv = float(loss.detach())
         ema = lv if ema is None else 0.95 * ema + 0.05 * lv
         if step % args.log_every == 0 or step == 1:
             now = time.time()
@@ -1060,6 +1060,7 @@ def save_model(model, cfg_dict: dict, out: Path) -> None:
     sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
           if k != "lm_head.weight" and "rotary_emb" not in k}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out / "model.safetensors", 0o644)
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
 
 
@@ -1144,7 +1145,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--max-seq", type=int, default=384)
-    ap.add_argument("--steps", type=int, default=1100)
+    ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=60)

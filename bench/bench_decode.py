@@ -1,0 +1,113 @@
+"""Decode speed through the whole exo stack versus mlx-lm's own generate_step, on the
+same model, prompt and machine, in one run.
+
+    .venv/bin/python bench/bench_decode.py                 # a random 8-layer model
+    .venv/bin/python bench/bench_decode.py --model-dir DIR --model-id org/name
+
+The API side is measured by the client (first to last streamed token), so it includes
+the runner subprocess, the master, the chunk topic, FastAPI and SSE. The two sides run
+one after the other, never at once, and the direct side runs before and after the API
+side so drift on a shared machine shows.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import load
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import start_node, stop_node  # noqa: E402
+
+from exo.devtools.tiny_models import make_tiny_llama  # noqa: E402
+from exo.engine.mlx.chat_template import encode_prompt  # noqa: E402
+from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams  # noqa: E402
+
+PROMPT = "Write a long story about a cluster of computers."
+
+
+def direct_decode_tps(model_dir: Path, tokens: int) -> float:
+    model, tokenizer = load(str(model_dir))
+    params = TextGenerationTaskParams(model="bench", messages=[ChatMessage(role="user", content=PROMPT)])
+    prompt = mx.array(encode_prompt(tokenizer, params))
+    stream = generate_step(prompt, model, max_tokens=tokens, sampler=make_sampler(temp=0.0))
+    token, _ = next(stream)
+    _ = int(token)
+    start = time.perf_counter()
+    count = 0
+    for token, _ in stream:
+        _ = int(token)
+        count += 1
+    return count / (time.perf_counter() - start)
+
+
+def api_decode_tps(model_dir: Path, model_id: str, tokens: int) -> tuple[float, int]:
+    with tempfile.TemporaryDirectory() as home:
+        node = start_node(Path(home), {"EXO_MODELS_DIRS": str(model_dir.parent)})
+        try:
+            node.place(model_id, timeout=600)
+            body = {
+                "model": model_id,
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": tokens,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            times: list[float] = []
+            with httpx.stream("POST", f"{node.url}/v1/chat/completions", json=body, timeout=600) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[len("data: ") :])
+                    if chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None:
+                        times.append(time.perf_counter())
+                    if chunk.get("usage"):
+                        generated = chunk["usage"]["completion_tokens"]
+            # A chunk can hold no text (a partial UTF-8 character) but still be a token;
+            # use the token count from usage over the streamed time span.
+            return (generated - 1) / (times[-1] - times[0]), generated
+        finally:
+            stop_node(node)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, help="HF-layout model dir named org--name")
+    parser.add_argument("--model-id", help="model id of --model-dir, e.g. org/name")
+    parser.add_argument("--tokens", type=int, default=256)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.model_dir is None:
+            model_id = "bench/random-llama"
+            model_dir = make_tiny_llama(
+                Path(scratch) / "bench--random-llama",
+                hidden_size=1024,
+                num_hidden_layers=8,
+                num_attention_heads=16,
+                num_key_value_heads=4,
+                intermediate_size=2816,
+                vocab_size=4096,
+            )
+        else:
+            model_dir, model_id = args.model_dir, args.model_id
+        before = direct_decode_tps(model_dir, args.tokens)
+        through_api, generated = api_decode_tps(model_dir, model_id, args.tokens)
+        after = direct_decode_tps(model_dir, args.tokens)
+    direct = (before + after) / 2
+    print(f"model: {model_id} ({model_dir.name}), {generated} tokens, cpu count {os.cpu_count()}")
+    print(f"mlx-lm generate_step: {before:.1f} tok/s before, {after:.1f} tok/s after (mean {direct:.1f})")
+    print(f"exo API (streamed):   {through_api:.1f} tok/s")
+    print(f"ratio API / direct:   {through_api / direct:.3f}")
+
+
+if __name__ == "__main__":
+    main()

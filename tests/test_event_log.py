@@ -1,0 +1,100 @@
+"""The master's event log survives a restart, and a power cut mid-write costs at most
+the event being written, never the log's readability."""
+
+from pathlib import Path
+
+import pytest
+
+from exo.master.event_log import EventLog, read_event_log
+from exo.shared.types.common import NodeId, TaskId
+from exo.shared.types.events import (
+    IndexedEvent,
+    MasterElected,
+    NodeTimedOut,
+    TaskDeleted,
+)
+
+
+def events(count: int, start: int = 0) -> list[IndexedEvent]:
+    kinds = [
+        lambda i: MasterElected(node_id=NodeId(f"node-{i}")),
+        lambda i: NodeTimedOut(node_id=NodeId(f"node-{i}")),
+        lambda i: TaskDeleted(task_id=TaskId(f"task-{i}")),
+    ]
+    return [
+        IndexedEvent(idx=i, event=kinds[i % len(kinds)](i))
+        for i in range(start, start + count)
+    ]
+
+
+@pytest.fixture
+def log_path(tmp_path: Path) -> Path:
+    return tmp_path / "master" / "events.jsonl"
+
+
+def write_log(path: Path, written: list[IndexedEvent]) -> None:
+    log = EventLog(path)
+    for event in written:
+        log.append(event)
+    log.close()
+
+
+def reopen(path: Path) -> list[IndexedEvent]:
+    log = EventLog(path)
+    log.close()
+    return log.events
+
+
+def test_a_new_log_starts_empty(log_path: Path):
+    assert reopen(log_path) == []
+
+
+def test_appended_events_are_read_back_after_reopening(log_path: Path):
+    write_log(log_path, events(5))
+    assert reopen(log_path) == events(5)
+
+
+def test_appends_after_reopening_continue_the_log(log_path: Path):
+    write_log(log_path, events(3))
+    write_log(log_path, events(2, start=3))
+    assert reopen(log_path) == events(5)
+
+
+def test_torn_partial_json_last_line_is_dropped(log_path: Path):
+    write_log(log_path, events(3))
+    torn = events(1, start=3)[0].model_dump_json().encode()[:20]
+    with log_path.open("ab") as file:
+        file.write(torn)
+    assert reopen(log_path) == events(3)
+
+
+def test_valid_last_line_without_trailing_newline_is_dropped(log_path: Path):
+    # A complete JSON object whose newline never reached the disk is still a torn write.
+    write_log(log_path, events(3))
+    with log_path.open("ab") as file:
+        file.write(events(1, start=3)[0].model_dump_json().encode())
+    assert reopen(log_path) == events(3)
+
+
+@pytest.mark.parametrize("tail", ["partial json", "json without newline"])
+def test_append_after_a_torn_line_leaves_a_clean_readable_log(
+    log_path: Path, tail: str
+):
+    write_log(log_path, events(3))
+    line = events(1, start=3)[0].model_dump_json().encode()
+    with log_path.open("ab") as file:
+        file.write(line[:20] if tail == "partial json" else line)
+
+    write_log(log_path, events(2, start=3))
+
+    assert reopen(log_path) == events(5)
+    assert log_path.read_bytes() == b"".join(
+        e.model_dump_json().encode() + b"\n" for e in events(5)
+    )
+
+
+def test_reading_stops_at_an_index_gap(log_path: Path):
+    write_log(log_path, events(2) + events(2, start=3))
+    read, intact_bytes = read_event_log(log_path)
+    assert read == events(2)
+    assert intact_bytes == sum(len(e.model_dump_json()) + 1 for e in events(2))

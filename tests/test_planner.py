@@ -1,0 +1,347 @@
+"""The worker's planner, walked through a runner's whole life with hand-built States:
+find the model, start the runner, connect, load, warm up, serve, and recover or give up."""
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+import pytest
+
+from exo.shared.models.model_cards import ModelCard, builtin_cards
+from exo.shared.types.common import (
+    CommandId,
+    InstanceId,
+    ModelId,
+    NodeId,
+    RunnerId,
+    TaskId,
+)
+from exo.shared.types.downloads import (
+    DownloadCompleted,
+    DownloadFailed,
+    DownloadOngoing,
+    DownloadProgress,
+)
+from exo.shared.types.instances import Instance, ShardAssignments, Sharding
+from exo.shared.types.runners import (
+    RunnerConnected,
+    RunnerConnecting,
+    RunnerFailed,
+    RunnerIdle,
+    RunnerLoaded,
+    RunnerReady,
+    RunnerRunning,
+    RunnerStatus,
+)
+from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.state import State
+from exo.shared.types.tasks import TaskStatus, TextGenerationTask
+from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.worker.planner import (
+    MAX_RUNNER_ATTEMPTS,
+    RESTART_BACKOFF_SECONDS,
+    CancelTask,
+    CreateRunner,
+    DeleteFailedInstance,
+    FindModel,
+    ForwardTask,
+    LocalRunner,
+    RunnerStep,
+    ShutdownRunner,
+    plan,
+)
+
+NODE = NodeId("node-a")
+OTHER_NODE = NodeId("node-b")
+INSTANCE = InstanceId("inst-1")
+RUNNER = RunnerId("runner-a")
+OTHER_RUNNER = RunnerId("runner-b")
+NOW = 1000.0
+
+
+@pytest.fixture
+def card() -> ModelCard:
+    return builtin_cards()["mlx-community/Qwen3.5-2B-MLX-8bit"]
+
+
+def instance_over(
+    card: ModelCard, nodes_and_runners: list[tuple[NodeId, RunnerId]]
+) -> Instance:
+    world_size = len(nodes_and_runners)
+    per_rank = card.n_layers // world_size
+    bounds = [rank * per_rank for rank in range(world_size)] + [card.n_layers]
+    return Instance(
+        instance_id=INSTANCE,
+        sharding=Sharding.Pipeline,
+        shard_assignments=ShardAssignments(
+            model_id=ModelId(card.model_id),
+            runner_to_shard={
+                runner_id: PipelineShardMetadata(
+                    model_card=card,
+                    device_rank=rank,
+                    world_size=world_size,
+                    start_layer=bounds[rank],
+                    end_layer=bounds[rank + 1],
+                    n_layers=card.n_layers,
+                )
+                for rank, (_, runner_id) in enumerate(nodes_and_runners)
+            },
+            node_to_runner=dict(nodes_and_runners),
+        ),
+    )
+
+
+def downloaded(
+    card: ModelCard, progress: DownloadProgress | None = None
+) -> dict[NodeId, dict[ModelId, DownloadProgress]]:
+    progress = progress or DownloadCompleted(
+        total_bytes=card.storage_size.in_bytes, path="/models/qwen"
+    )
+    return {NODE: {ModelId(card.model_id): progress}}
+
+
+def pending_task(
+    task_id: str = "task-1", status: TaskStatus = TaskStatus.Pending
+) -> TextGenerationTask:
+    return TextGenerationTask(
+        task_id=TaskId(task_id),
+        command_id=CommandId(f"command-of-{task_id}"),
+        instance_id=INSTANCE,
+        params=TextGenerationTaskParams(
+            model=ModelId("mlx-community/Qwen3.5-2B-MLX-8bit"),
+            messages=[ChatMessage(role="user", content="Hello")],
+        ),
+        status=status,
+    )
+
+
+def single_node_state(
+    card: ModelCard,
+    runner_status: RunnerStatus | None = None,
+    tasks: tuple[TextGenerationTask, ...] | list[TextGenerationTask] = (),
+    download: DownloadProgress | None = None,
+) -> State:
+    return State(
+        instances={INSTANCE: instance_over(card, [(NODE, RUNNER)])},
+        runners={RUNNER: runner_status} if runner_status is not None else {},
+        tasks={t.task_id: t for t in tasks},
+        downloads=downloaded(card, download),
+    )
+
+
+def local_runner(
+    sent: Iterable[str] = (),
+    forwarded: Iterable[str] = (),
+    in_flight: Iterable[str] = (),
+    runner_id: RunnerId = RUNNER,
+    **changes,
+) -> dict[RunnerId, LocalRunner]:
+    runner = LocalRunner(
+        runner_id=runner_id,
+        instance_id=INSTANCE,
+        sent=frozenset(sent),
+        forwarded=frozenset(TaskId(t) for t in forwarded),
+        in_flight=frozenset(TaskId(t) for t in in_flight),
+        exited=False,
+        exited_at=None,
+        attempt=1,
+    )
+    return {runner_id: replace(runner, **changes)}
+
+
+ALL_STEPS = {"ConnectToGroup", "LoadModel", "StartWarmup"}
+
+
+# --- model -----------------------------------------------------------------------------
+
+
+def test_find_model_when_there_is_no_download_record(card: ModelCard):
+    state = single_node_state(card).model_copy(update={"downloads": {}})
+    assert plan(NODE, state, {}, NOW) == FindModel(INSTANCE)
+
+
+def test_find_model_while_the_download_is_ongoing(card: ModelCard):
+    state = single_node_state(
+        card, download=DownloadOngoing(downloaded_bytes=1, total_bytes=10)
+    )
+    assert plan(NODE, state, {}, NOW) == FindModel(INSTANCE)
+
+
+def test_delete_instance_when_the_download_failed(card: ModelCard):
+    state = single_node_state(
+        card, download=DownloadFailed(error_message="repository not found")
+    )
+    action = plan(NODE, state, {}, NOW)
+    assert isinstance(action, DeleteFailedInstance)
+    assert action.instance_id == INSTANCE
+    assert "repository not found" in action.reason
+
+
+def test_nothing_for_an_instance_without_a_runner_on_this_node(card: ModelCard):
+    state = single_node_state(card)
+    assert plan(OTHER_NODE, state, {}, NOW) is None
+
+
+# --- start and lifecycle steps -----------------------------------------------------------
+
+
+def test_create_runner_once_the_model_is_found_and_no_local_runner_exists(
+    card: ModelCard,
+):
+    assert plan(NODE, single_node_state(card), {}, NOW) == CreateRunner(
+        INSTANCE, RUNNER, attempt=1
+    )
+
+
+def test_nothing_until_the_new_runner_reports_its_status(card: ModelCard):
+    assert plan(NODE, single_node_state(card), local_runner(), NOW) is None
+
+
+def test_connect_to_group_when_the_runner_is_idle(card: ModelCard):
+    state = single_node_state(card, RunnerIdle())
+    assert plan(NODE, state, local_runner(), NOW) == RunnerStep(
+        RUNNER, "ConnectToGroup"
+    )
+
+
+def test_nothing_while_waiting_for_a_step_already_sent(card: ModelCard):
+    state = single_node_state(card, RunnerConnecting())
+    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) is None
+
+
+def test_nothing_while_the_status_still_shows_the_previous_stage(card: ModelCard):
+    # The step was sent but the runner's status update has not arrived yet.
+    state = single_node_state(card, RunnerIdle())
+    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) is None
+
+
+def test_load_model_once_connected(card: ModelCard):
+    state = single_node_state(card, RunnerConnected())
+    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) == RunnerStep(
+        RUNNER, "LoadModel"
+    )
+
+
+def test_start_warmup_once_loaded(card: ModelCard):
+    state = single_node_state(card, RunnerLoaded())
+    local = local_runner(sent={"ConnectToGroup", "LoadModel"})
+    assert plan(NODE, state, local, NOW) == RunnerStep(RUNNER, "StartWarmup")
+
+
+# --- serving -------------------------------------------------------------------------------
+
+
+def test_forward_a_pending_task_once_ready(card: ModelCard):
+    state = single_node_state(card, RunnerReady(), tasks=[pending_task()])
+    assert plan(NODE, state, local_runner(sent=ALL_STEPS), NOW) == ForwardTask(
+        RUNNER, TaskId("task-1")
+    )
+
+
+def test_no_task_forwarded_before_the_runner_is_ready(card: ModelCard):
+    state = single_node_state(card, RunnerLoaded(), tasks=[pending_task()])
+    assert plan(NODE, state, local_runner(sent=ALL_STEPS), NOW) is None
+
+
+def test_a_forwarded_task_is_not_forwarded_again(card: ModelCard):
+    state = single_node_state(card, RunnerRunning(), tasks=[pending_task()])
+    local = local_runner(sent=ALL_STEPS, forwarded={"task-1"}, in_flight={"task-1"})
+    assert plan(NODE, state, local, NOW) is None
+
+
+def test_a_running_runner_takes_the_next_pending_task(card: ModelCard):
+    state = single_node_state(
+        card,
+        RunnerRunning(),
+        tasks=[pending_task("task-1", TaskStatus.Running), pending_task("task-2")],
+    )
+    local = local_runner(sent=ALL_STEPS, forwarded={"task-1"}, in_flight={"task-1"})
+    assert plan(NODE, state, local, NOW) == ForwardTask(RUNNER, TaskId("task-2"))
+
+
+def test_cancel_an_in_flight_task_that_vanished_from_state(card: ModelCard):
+    state = single_node_state(card, RunnerRunning())
+    local = local_runner(sent=ALL_STEPS, forwarded={"task-1"}, in_flight={"task-1"})
+    assert plan(NODE, state, local, NOW) == CancelTask(RUNNER, TaskId("task-1"))
+
+
+# --- teardown and recovery -------------------------------------------------------------------
+
+
+def test_shutdown_a_local_runner_whose_instance_is_gone(card: ModelCard):
+    state = single_node_state(card).model_copy(update={"instances": {}})
+    assert plan(NODE, state, local_runner(sent=ALL_STEPS), NOW) == ShutdownRunner(
+        RUNNER
+    )
+
+
+def test_no_shutdown_for_a_runner_that_already_exited(card: ModelCard):
+    state = single_node_state(card).model_copy(update={"instances": {}})
+    assert plan(NODE, state, local_runner(exited=True, exited_at=NOW), NOW) is None
+
+
+def test_no_restart_before_the_backoff_elapsed(card: ModelCard):
+    state = single_node_state(card, RunnerFailed(error_message="segfault"))
+    local = local_runner(exited=True, exited_at=NOW, attempt=1)
+    assert plan(NODE, state, local, NOW + RESTART_BACKOFF_SECONDS - 0.1) is None
+
+
+def test_restart_with_the_next_attempt_once_the_backoff_elapsed(card: ModelCard):
+    state = single_node_state(card, RunnerFailed(error_message="segfault"))
+    local = local_runner(exited=True, exited_at=NOW, attempt=1)
+    assert plan(NODE, state, local, NOW + RESTART_BACKOFF_SECONDS) == CreateRunner(
+        INSTANCE, RUNNER, attempt=2
+    )
+
+
+def test_backoff_grows_with_the_attempt(card: ModelCard):
+    state = single_node_state(card, RunnerFailed(error_message="segfault", attempt=2))
+    local = local_runner(exited=True, exited_at=NOW, attempt=2)
+    assert plan(NODE, state, local, NOW + RESTART_BACKOFF_SECONDS * 2 - 0.1) is None
+    assert plan(NODE, state, local, NOW + RESTART_BACKOFF_SECONDS * 2) == CreateRunner(
+        INSTANCE, RUNNER, attempt=3
+    )
+
+
+def test_delete_instance_after_max_runner_attempts(card: ModelCard):
+    state = single_node_state(
+        card, RunnerFailed(error_message="out of memory", attempt=MAX_RUNNER_ATTEMPTS)
+    )
+    local = local_runner(exited=True, exited_at=NOW, attempt=MAX_RUNNER_ATTEMPTS)
+    action = plan(NODE, state, local, NOW + 3600)
+    assert isinstance(action, DeleteFailedInstance)
+    assert action.instance_id == INSTANCE
+    assert "out of memory" in action.reason
+    assert f"{MAX_RUNNER_ATTEMPTS} times" in action.reason
+
+
+# --- two ranks -------------------------------------------------------------------------------
+
+
+def two_rank_state(
+    card: ModelCard, own: RunnerStatus, other: RunnerStatus | None
+) -> State:
+    runners = {RUNNER: own} | ({OTHER_RUNNER: other} if other is not None else {})
+    return State(
+        instances={
+            INSTANCE: instance_over(card, [(NODE, RUNNER), (OTHER_NODE, OTHER_RUNNER)])
+        },
+        runners=runners,
+        downloads=downloaded(card),
+    )
+
+
+def test_rank_0_does_not_connect_before_the_other_rank_has_started(card: ModelCard):
+    state = two_rank_state(card, own=RunnerIdle(), other=None)
+    assert plan(NODE, state, local_runner(), NOW) is None
+
+
+def test_rank_0_does_not_load_until_the_other_rank_is_connected(card: ModelCard):
+    state = two_rank_state(card, own=RunnerConnected(), other=RunnerConnecting())
+    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) is None
+
+
+def test_rank_0_loads_once_every_rank_is_connected(card: ModelCard):
+    state = two_rank_state(card, own=RunnerConnected(), other=RunnerConnected())
+    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) == RunnerStep(
+        RUNNER, "LoadModel"
+    )
