@@ -57,6 +57,10 @@ def test_place_chat_and_delete_with_state_checked_at_each_step(exo_node: ExoNode
     assert completion.choices[0].message.content == text
     assert completion.choices[0].finish_reason == finish_reasons[0]
     assert completion.usage.completion_tokens == usage.completion_tokens
+    stats = completion.model_extra["generation_stats"]
+    assert stats["prompt_tps"] > 0 and stats["generation_tokens"] == usage.completion_tokens
+    if usage.completion_tokens > 1:
+        assert stats["generation_tps"] > 0
 
     # Finished tasks leave State once their streams are done.
     exo_node.wait_for_state(lambda s: s["tasks"] == {}, what="tasks cleared")

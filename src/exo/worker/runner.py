@@ -110,6 +110,11 @@ class Runner:
         for chunk in self.engine.step():
             self.conn.send(chunk)
             if chunk.finish_reason is not None:
+                if chunk.stats is not None:
+                    logger.info(
+                        f"prompt {chunk.stats.prompt_tokens} tokens at {chunk.stats.prompt_tps:.1f} tok/s, "
+                        f"generated {chunk.stats.generation_tokens} at {chunk.stats.generation_tps:.1f} tok/s"
+                    )
                 task_id = self.active.pop(chunk.command_id)
                 self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Complete))
         self._maybe_ready()

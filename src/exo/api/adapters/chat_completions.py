@@ -115,9 +115,9 @@ class ChunkEncoder:
         if chunk.text:
             delta["content"] = chunk.text
         if delta or chunk.finish_reason is not None:
-            events.append(
-                self._event([{"index": 0, "delta": delta, "finish_reason": chunk.finish_reason, "logprobs": None}])
-            )
+            choice = {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason, "logprobs": None}
+            extra = {"generation_stats": chunk.stats.model_dump(by_alias=False)} if chunk.stats else {}
+            events.append(self._event([choice], **extra))
         if chunk.finish_reason is not None and self.include_usage and chunk.usage is not None:
             events.append(self._event([], usage=usage_body(chunk.usage)))
         return events
@@ -140,4 +140,6 @@ def completion_body(completion_id: str, model: str, chunks: list[ChunkGenerated]
             }
         ],
         "usage": usage_body(usage),
+        # Not in OpenAI's schema; clients ignore it. Speeds as the runner measured them.
+        "generation_stats": last.stats.model_dump(by_alias=False) if last.stats else None,
     }
