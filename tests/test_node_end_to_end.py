@@ -138,3 +138,41 @@ def test_killed_runner_fails_its_stream_and_node_keeps_serving(exo_node: ExoNode
     )
     assert completion.choices[0].message.content is not None
     assert completion.usage.completion_tokens > 0
+
+
+def test_event_log_survives_a_restart(tmp_path, tiny_models_dir):
+    from conftest import start_node, stop_node
+
+    env = {"EXO_MODELS_DIRS": str(tiny_models_dir)}
+    first = start_node(tmp_path / "home", env)
+    try:
+        node_id = first.get("/node_id").json()
+        instance_id = first.place()
+        events_before = first.get("/events").json()
+    finally:
+        stop_node(first)
+
+    second = start_node(tmp_path / "home", env)
+    try:
+        assert second.get("/node_id").json() == node_id
+        second.wait_for_state(
+            lambda s: s["lastEventAppliedIdx"] >= len(events_before), timeout=10, what="history replayed"
+        )
+        events_after = second.get("/events").json()
+        # The new master continues the same history rather than starting over.
+        assert events_after[: len(events_before)] == events_before
+        elections = [e["idx"] for e in events_after if e["event"]["kind"] == "MasterElected"]
+        assert len(elections) == 2 and elections[1] >= len(events_before)
+        # The instance comes back and serves again.
+        second.wait_for_state(
+            lambda s: instance_id in s["instances"] and runner_kinds(s) == ["RunnerReady"],
+            timeout=60,
+            what="instance restored",
+        )
+        sdk = client(second)
+        completion = sdk.chat.completions.create(
+            model=TINY_MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert completion.usage.completion_tokens > 0
+    finally:
+        stop_node(second)

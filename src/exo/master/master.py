@@ -13,6 +13,7 @@ from exo.shared.types.commands import (
     Command,
     CreateInstance,
     DeleteInstance,
+    RequestEventLog,
     TaskFinished,
     TextGeneration,
 )
@@ -50,7 +51,8 @@ class Master:
         self.router = router
         self.log = EventLog(log_path)
         self.state = State()
-        for indexed in self.log.events:
+        self.history = list(self.log.events)
+        for indexed in self.history:
             self.state = apply(self.state, indexed)
         self._commands = router.subscribe(Topic.COMMANDS)
         self._local_events = router.subscribe(Topic.LOCAL_EVENTS)
@@ -85,6 +87,7 @@ class Master:
         indexed = IndexedEvent(idx=self.state.last_event_applied_idx + 1, event=event)
         self.state = apply(self.state, indexed)
         self.log.append(indexed)
+        self.history.append(indexed)
         self.router.publish(Topic.GLOBAL_EVENTS, indexed)
 
     def handle_command(self, command: Command) -> None:
@@ -96,6 +99,9 @@ class Master:
                 self._delete_instance(instance_id, reason)
             case TextGeneration(command_id=command_id, params=params):
                 self._start_text_generation(command_id, params.model, command)
+            case RequestEventLog(since_idx=since_idx):
+                for indexed in self.history[since_idx:]:
+                    self.router.publish(Topic.GLOBAL_EVENTS, indexed)
             case TaskFinished(finished_command_id=finished_command_id):
                 for task in list(self.state.tasks.values()):
                     if task.command_id == finished_command_id:

@@ -137,6 +137,9 @@ def runner_main(conn: Connection, runner_id: RunnerId, instance: Instance, verbo
     runner = Runner(conn, runner_id, instance, MlxEngine())
     try:
         runner.run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        logger.warning("supervisor went away; runner exiting")
+        sys.exit(1)
     except Exception as error:
         logger.exception("runner failed")
         runner.set_status(RunnerFailed(error_message=f"{type(error).__name__}: {error}"))

@@ -38,7 +38,14 @@ class TaskFinished(CommandBase):
     finished_command_id: CommandId
 
 
+class RequestEventLog(CommandBase):
+    """A node saw a gap in the indexes; the master re-sends events from since_idx on."""
+
+    kind: Literal["RequestEventLog"] = "RequestEventLog"
+    since_idx: int
+
+
 Command = Annotated[
-    CreateInstance | DeleteInstance | TextGeneration | TaskFinished,
+    CreateInstance | DeleteInstance | TextGeneration | TaskFinished | RequestEventLog,
     Field(discriminator="kind"),
 ]
