@@ -26,7 +26,6 @@ from mlx_lm.utils import load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import start_node, stop_node  # noqa: E402
-
 from exo.devtools.tiny_models import make_tiny_llama  # noqa: E402
 from exo.engine.mlx.chat_template import encode_prompt  # noqa: E402
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams  # noqa: E402

@@ -23,7 +23,10 @@ def assert_openai_error(response, status: int) -> dict:
         ({"model": TINY_MODEL_ID, "messages": "hi"}, "messages"),
         ({"model": TINY_MODEL_ID, "messages": []}, "messages"),
         ({"model": TINY_MODEL_ID, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-        ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+        (
+            {"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+            "temperature",
+        ),
         ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
         ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "top_p": 2}, "top_p"),
         ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "stream": "yes please"}, "stream"),

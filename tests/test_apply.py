@@ -75,9 +75,7 @@ def node_info(node_id: NodeId) -> NodeInfo:
     )
 
 
-def two_rank_instance(
-    card: ModelCard, instance_id: str, runners: tuple[str, str]
-) -> Instance:
+def two_rank_instance(card: ModelCard, instance_id: str, runners: tuple[str, str]) -> Instance:
     """A pipeline instance with its layers split between node-a and node-b."""
     half = card.n_layers // 2
     ranges = [(0, half), (half, card.n_layers)]
@@ -95,9 +93,7 @@ def two_rank_instance(
                     end_layer=end,
                     n_layers=card.n_layers,
                 )
-                for rank, (runner, (start, end)) in enumerate(
-                    zip(runners, ranges, strict=True)
-                )
+                for rank, (runner, (start, end)) in enumerate(zip(runners, ranges, strict=True))
             },
             node_to_runner={NODE_A: RunnerId(runners[0]), NODE_B: RunnerId(runners[1])},
         ),
@@ -121,9 +117,7 @@ def task(instance_id: str, task_id: str = "task-1") -> TextGenerationTask:
 
 def apply_all(state: State, *events: Event) -> State:
     for event in events:
-        state = apply(
-            state, IndexedEvent(idx=state.last_event_applied_idx + 1, event=event)
-        )
+        state = apply(state, IndexedEvent(idx=state.last_event_applied_idx + 1, event=event))
     return state
 
 
@@ -136,20 +130,14 @@ def serving_state(card: ModelCard) -> State:
         MasterElected(node_id=NODE_A),
         NodeGatheredInfo(info=node_info(NODE_A)),
         NodeGatheredInfo(info=node_info(NODE_B)),
-        InstanceCreated(
-            instance=two_rank_instance(card, "inst-1", ("runner-a", "runner-b"))
-        ),
+        InstanceCreated(instance=two_rank_instance(card, "inst-1", ("runner-a", "runner-b"))),
         RunnerStatusUpdated(runner_id=RunnerId("runner-a"), status=RunnerReady()),
-        RunnerStatusUpdated(
-            runner_id=RunnerId("runner-b"), status=RunnerRunning(active_tasks=2)
-        ),
+        RunnerStatusUpdated(runner_id=RunnerId("runner-b"), status=RunnerRunning(active_tasks=2)),
         TaskCreated(task=task("inst-1")),
         NodeDownloadProgress(
             node_id=NODE_A,
             model_id=ModelId(card.model_id),
-            progress=DownloadCompleted(
-                total_bytes=card.storage_size.in_bytes, path="/models/v4"
-            ),
+            progress=DownloadCompleted(total_bytes=card.storage_size.in_bytes, path="/models/v4"),
         ),
     )
 
@@ -185,9 +173,7 @@ def test_first_event_must_have_index_zero():
 
 
 def test_master_elected_records_the_master():
-    state = apply_all(
-        State(), MasterElected(node_id=NODE_A), MasterElected(node_id=NODE_B)
-    )
+    state = apply_all(State(), MasterElected(node_id=NODE_A), MasterElected(node_id=NODE_B))
     assert state.master_node_id == NODE_B
 
 
@@ -201,14 +187,10 @@ def test_node_gathered_info_adds_or_replaces_the_node():
     assert state.nodes == {NODE_A: updated}
 
 
-def test_node_timed_out_removes_the_node_and_its_downloads(
-    serving_state: State, card: ModelCard
-):
+def test_node_timed_out_removes_the_node_and_its_downloads(serving_state: State, card: ModelCard):
     state = apply_all(
         serving_state,
-        NodeDownloadProgress(
-            node_id=NODE_B, model_id=ModelId(card.model_id), progress=DownloadPending()
-        ),
+        NodeDownloadProgress(node_id=NODE_B, model_id=ModelId(card.model_id), progress=DownloadPending()),
         NodeTimedOut(node_id=NODE_A),
     )
     assert NODE_A not in state.nodes
@@ -223,14 +205,10 @@ def test_instance_created_adds_the_instance(card: ModelCard):
     assert state.instances == {InstanceId("inst-1"): instance}
 
 
-def test_instance_deleted_removes_the_instance_and_only_its_runners(
-    serving_state: State, card: ModelCard
-):
+def test_instance_deleted_removes_the_instance_and_only_its_runners(serving_state: State, card: ModelCard):
     state = apply_all(
         serving_state,
-        InstanceCreated(
-            instance=two_rank_instance(card, "inst-2", ("runner-c", "runner-d"))
-        ),
+        InstanceCreated(instance=two_rank_instance(card, "inst-2", ("runner-c", "runner-d"))),
         RunnerStatusUpdated(runner_id=RunnerId("runner-c"), status=RunnerIdle()),
         InstanceDeleted(instance_id=InstanceId("inst-1"), reason="deleted by request"),
     )
@@ -241,9 +219,7 @@ def test_instance_deleted_removes_the_instance_and_only_its_runners(
 def test_instance_deleted_for_unknown_instance_changes_nothing_but_the_index(
     serving_state: State,
 ):
-    state = apply_all(
-        serving_state, InstanceDeleted(instance_id=InstanceId("no-such-instance"))
-    )
+    state = apply_all(serving_state, InstanceDeleted(instance_id=InstanceId("no-such-instance")))
     assert state == serving_state.model_copy(
         update={"last_event_applied_idx": serving_state.last_event_applied_idx + 1}
     )
@@ -254,9 +230,7 @@ def test_runner_status_updated_sets_the_status_of_an_instance_runner(
 ):
     state = apply_all(
         serving_state,
-        RunnerStatusUpdated(
-            runner_id=RunnerId("runner-a"), status=RunnerFailed(error_message="oom")
-        ),
+        RunnerStatusUpdated(runner_id=RunnerId("runner-a"), status=RunnerFailed(error_message="oom")),
     )
     assert state.runners[RunnerId("runner-a")] == RunnerFailed(error_message="oom")
 
@@ -266,9 +240,7 @@ def test_runner_status_updated_for_a_runner_of_no_instance_is_ignored(
 ):
     state = apply_all(
         serving_state,
-        RunnerStatusUpdated(
-            runner_id=RunnerId("runner-of-deleted"), status=RunnerReady()
-        ),
+        RunnerStatusUpdated(runner_id=RunnerId("runner-of-deleted"), status=RunnerReady()),
     )
     assert RunnerId("runner-of-deleted") not in state.runners
     assert state.runners == serving_state.runners
@@ -310,31 +282,22 @@ def test_task_deleted_removes_the_task(serving_state: State):
     assert state.tasks == {}
 
 
-def test_node_download_progress_records_progress_per_node_and_model(
-    serving_state: State, card: ModelCard
-):
+def test_node_download_progress_records_progress_per_node_and_model(serving_state: State, card: ModelCard):
     other_model = ModelId("mlx-community/Qwen3.5-2B-MLX-8bit")
-    ongoing = DownloadOngoing(
-        downloaded_bytes=GiB, total_bytes=3 * GiB, bytes_per_second=1e8
-    )
+    ongoing = DownloadOngoing(downloaded_bytes=GiB, total_bytes=3 * GiB, bytes_per_second=1e8)
     state = apply_all(
         serving_state,
         NodeDownloadProgress(node_id=NODE_A, model_id=other_model, progress=ongoing),
     )
     assert state.downloads[NODE_A][other_model] == ongoing
-    assert (
-        state.downloads[NODE_A][ModelId(card.model_id)]
-        == serving_state.downloads[NODE_A][ModelId(card.model_id)]
-    )
+    assert state.downloads[NODE_A][ModelId(card.model_id)] == serving_state.downloads[NODE_A][ModelId(card.model_id)]
 
 
 def test_node_download_progress_replaces_earlier_progress(card: ModelCard):
     model_id = ModelId(card.model_id)
     state = apply_all(
         State(),
-        NodeDownloadProgress(
-            node_id=NODE_A, model_id=model_id, progress=DownloadPending()
-        ),
+        NodeDownloadProgress(node_id=NODE_A, model_id=model_id, progress=DownloadPending()),
         NodeDownloadProgress(
             node_id=NODE_A,
             model_id=model_id,
@@ -353,9 +316,7 @@ def one_of_each_event(card: ModelCard) -> list[Event]:
         MasterElected(node_id=NODE_B),
         NodeGatheredInfo(info=node_info(NodeId("node-c"))),
         NodeTimedOut(node_id=NODE_B),
-        InstanceCreated(
-            instance=two_rank_instance(card, "inst-2", ("runner-c", "runner-d"))
-        ),
+        InstanceCreated(instance=two_rank_instance(card, "inst-2", ("runner-c", "runner-d"))),
         InstanceDeleted(instance_id=InstanceId("inst-1"), reason="node-b timed out"),
         RunnerStatusUpdated(
             runner_id=RunnerId("runner-c"),
@@ -398,19 +359,13 @@ def test_every_event_type_round_trips_through_json_inside_an_indexed_event(
 ):
     for idx, event in enumerate(one_of_each_event(card)):
         indexed = IndexedEvent(idx=idx, event=event)
-        assert IndexedEvent.model_validate_json(indexed.model_dump_json()) == indexed, (
-            event.kind
-        )
+        assert IndexedEvent.model_validate_json(indexed.model_dump_json()) == indexed, event.kind
 
 
-def test_a_non_trivial_state_round_trips_through_json(
-    serving_state: State, card: ModelCard
-):
+def test_a_non_trivial_state_round_trips_through_json(serving_state: State, card: ModelCard):
     state = apply_all(
         serving_state,
-        InstanceCreated(
-            instance=two_rank_instance(card, "inst-2", ("runner-c", "runner-d"))
-        ),
+        InstanceCreated(instance=two_rank_instance(card, "inst-2", ("runner-c", "runner-d"))),
         RunnerStatusUpdated(runner_id=RunnerId("runner-c"), status=RunnerConnected()),
         RunnerStatusUpdated(
             runner_id=RunnerId("runner-d"),
@@ -419,9 +374,7 @@ def test_a_non_trivial_state_round_trips_through_json(
         NodeDownloadProgress(
             node_id=NODE_B,
             model_id=ModelId(card.model_id),
-            progress=DownloadOngoing(
-                downloaded_bytes=GiB, total_bytes=2 * GiB, bytes_per_second=5e7
-            ),
+            progress=DownloadOngoing(downloaded_bytes=GiB, total_bytes=2 * GiB, bytes_per_second=5e7),
         ),
     )
     assert len({type(status) for status in state.runners.values()}) == 4

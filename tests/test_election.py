@@ -25,21 +25,11 @@ def test_force_master_wins_over_everything_else():
 
 
 def test_higher_clock_wins_over_seniority():
-    assert (
-        choose_master(
-            [candidate("a", clock=6, seniority=1.0), candidate("b", seniority=500.0)]
-        )
-        == "a"
-    )
+    assert choose_master([candidate("a", clock=6, seniority=1.0), candidate("b", seniority=500.0)]) == "a"
 
 
 def test_seniority_wins_over_commands_seen():
-    assert (
-        choose_master(
-            [candidate("a", seniority=101.0), candidate("b", commands_seen=500)]
-        )
-        == "a"
-    )
+    assert choose_master([candidate("a", seniority=101.0), candidate("b", commands_seen=500)]) == "a"
 
 
 def test_commands_seen_win_over_node_id():

@@ -21,10 +21,7 @@ def events(count: int, start: int = 0) -> list[IndexedEvent]:
         lambda i: NodeTimedOut(node_id=NodeId(f"node-{i}")),
         lambda i: TaskDeleted(task_id=TaskId(f"task-{i}")),
     ]
-    return [
-        IndexedEvent(idx=i, event=kinds[i % len(kinds)](i))
-        for i in range(start, start + count)
-    ]
+    return [IndexedEvent(idx=i, event=kinds[i % len(kinds)](i)) for i in range(start, start + count)]
 
 
 @pytest.fixture
@@ -77,9 +74,7 @@ def test_valid_last_line_without_trailing_newline_is_dropped(log_path: Path):
 
 
 @pytest.mark.parametrize("tail", ["partial json", "json without newline"])
-def test_append_after_a_torn_line_leaves_a_clean_readable_log(
-    log_path: Path, tail: str
-):
+def test_append_after_a_torn_line_leaves_a_clean_readable_log(log_path: Path, tail: str):
     write_log(log_path, events(3))
     line = events(1, start=3)[0].model_dump_json().encode()
     with log_path.open("ab") as file:
@@ -88,9 +83,7 @@ def test_append_after_a_torn_line_leaves_a_clean_readable_log(
     write_log(log_path, events(2, start=3))
 
     assert reopen(log_path) == events(5)
-    assert log_path.read_bytes() == b"".join(
-        e.model_dump_json().encode() + b"\n" for e in events(5)
-    )
+    assert log_path.read_bytes() == b"".join(e.model_dump_json().encode() + b"\n" for e in events(5))
 
 
 def test_reading_stops_at_an_index_gap(log_path: Path):

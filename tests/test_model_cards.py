@@ -200,8 +200,13 @@ def test_complete_local_model_dir_appears_with_derived_fields(tmp_path):
 def test_multimodal_config_is_read_from_text_config(tmp_path):
     config = {
         "model_type": "gemma4",
-        "text_config": {"num_hidden_layers": 3, "hidden_size": 6, "num_attention_heads": 3,
-                        "num_key_value_heads": 1, "max_position_embeddings": 1024},
+        "text_config": {
+            "num_hidden_layers": 3,
+            "hidden_size": 6,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 1024,
+        },
         "vision_config": {"hidden_size": 4},
     }
     write_tiny_model(tmp_path / "acme--seeing", config)

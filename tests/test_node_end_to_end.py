@@ -79,9 +79,13 @@ def test_place_chat_and_delete_with_state_checked_at_each_step(exo_node: ExoNode
 def test_stop_sequences_and_sampling_parameters(exo_node: ExoNode):
     exo_node.place()
     openai_client = client(exo_node)
-    base = openai_client.chat.completions.create(
-        model=TINY_MODEL_ID, messages=[{"role": "user", "content": "cat"}], max_tokens=20, temperature=0.0
-    ).choices[0].message.content
+    base = (
+        openai_client.chat.completions.create(
+            model=TINY_MODEL_ID, messages=[{"role": "user", "content": "cat"}], max_tokens=20, temperature=0.0
+        )
+        .choices[0]
+        .message.content
+    )
     assert len(base) > 3
     stop = base[2:4]
     stopped = openai_client.chat.completions.create(
@@ -91,15 +95,19 @@ def test_stop_sequences_and_sampling_parameters(exo_node: ExoNode):
     assert stopped.choices[0].message.content == base[: base.index(stop)]
 
     def sampled(seed: int) -> str:
-        return openai_client.chat.completions.create(
-            model=TINY_MODEL_ID,
-            messages=[{"role": "user", "content": "dog"}],
-            max_tokens=16,
-            temperature=1.0,
-            top_p=0.95,
-            seed=seed,
-            extra_body={"top_k": 50, "min_p": 0.01},
-        ).choices[0].message.content
+        return (
+            openai_client.chat.completions.create(
+                model=TINY_MODEL_ID,
+                messages=[{"role": "user", "content": "dog"}],
+                max_tokens=16,
+                temperature=1.0,
+                top_p=0.95,
+                seed=seed,
+                extra_body={"top_k": 50, "min_p": 0.01},
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert sampled(7) == sampled(7)
 
@@ -118,7 +126,7 @@ def test_killed_runner_fails_its_stream_and_node_keeps_serving(exo_node: ExoNode
     )
     received = 0
     with pytest.raises(openai.APIError) as raised:
-        for chunk in stream:
+        for _chunk in stream:
             received += 1
             if received == 5:
                 (runner_pid,) = exo_node.runner_pids()

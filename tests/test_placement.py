@@ -66,9 +66,7 @@ def node(node_id: str, available_gib: float) -> NodeInfo:
 
 
 def cluster(**available_gib: float) -> State:
-    return State(
-        nodes={NodeId(name): node(name, gib) for name, gib in available_gib.items()}
-    )
+    return State(nodes={NodeId(name): node(name, gib) for name, gib in available_gib.items()})
 
 
 def tensor_card(hidden_size: int, num_key_value_heads: int) -> ModelCard:
@@ -122,9 +120,7 @@ def test_pipeline_over_two_nodes_covers_all_layers_in_rank_order():
     card = builtin_cards()["mlx-community/DeepSeek-V4-Flash"]
     instance = place_instance(cluster(a=100, b=100), card, min_nodes=2)
 
-    shards = sorted(
-        instance.shard_assignments.runner_to_shard.values(), key=lambda s: s.device_rank
-    )
+    shards = sorted(instance.shard_assignments.runner_to_shard.values(), key=lambda s: s.device_rank)
     assert [(s.start_layer, s.end_layer) for s in shards] == [(0, 22), (22, 43)]
 
 
@@ -136,9 +132,7 @@ def test_empty_cluster_says_how_many_nodes_are_needed(small_card: ModelCard):
 # --- split_layers --------------------------------------------------------------------------
 
 
-def assert_valid_split(
-    n_layers: int, ranges: list[tuple[int, int]], parts: int
-) -> None:
+def assert_valid_split(n_layers: int, ranges: list[tuple[int, int]], parts: int) -> None:
     assert len(ranges) == parts
     assert ranges[0][0] == 0
     assert ranges[-1][1] == n_layers
@@ -199,16 +193,12 @@ def test_tensor_is_rejected_when_hidden_size_is_not_divisible():
 def test_tensor_is_rejected_when_kv_heads_are_not_divisible():
     # DeepSeek V4 Flash has a single KV head.
     card = builtin_cards()["mlx-community/DeepSeek-V4-Flash"]
-    with pytest.raises(
-        PlacementError, match=r"num_key_value_heads \(1\).*divisible by 2"
-    ):
+    with pytest.raises(PlacementError, match=r"num_key_value_heads \(1\).*divisible by 2"):
         place_instance(cluster(a=200, b=200), card, Sharding.Tensor, min_nodes=2)
 
 
 def test_tensor_over_two_nodes_gives_every_rank_every_layer():
-    instance = place_instance(
-        cluster(a=64, b=64), tensor_card(4096, 8), Sharding.Tensor, min_nodes=2
-    )
+    instance = place_instance(cluster(a=64, b=64), tensor_card(4096, 8), Sharding.Tensor, min_nodes=2)
     shards = instance.shard_assignments.runner_to_shard.values()
     assert {(s.kind, s.start_layer, s.end_layer) for s in shards} == {("tensor", 0, 24)}
     assert sorted(s.device_rank for s in shards) == [0, 1]
@@ -220,9 +210,7 @@ def test_tensor_over_two_nodes_gives_every_rank_every_layer():
 def test_instance_previews_list_rejected_options_with_an_error_reason(
     small_card: ModelCard,
 ):
-    previews = instance_previews(
-        cluster(big=64, tiny=0.5), small_card, Sharding.Pipeline
-    )
+    previews = instance_previews(cluster(big=64, tiny=0.5), small_card, Sharding.Pipeline)
 
     by_nodes = {tuple(p.node_ids): p for p in previews}
     assert set(by_nodes) == {("big",), ("tiny",), ("big", "tiny")}
@@ -258,16 +246,12 @@ def serving_instance(card: ModelCard, instance_id: str) -> Instance:
     )
 
 
-def task_on(
-    instance_id: str, number: int, status: TaskStatus = TaskStatus.Running
-) -> TextGenerationTask:
+def task_on(instance_id: str, number: int, status: TaskStatus = TaskStatus.Running) -> TextGenerationTask:
     return TextGenerationTask(
         task_id=TaskId(f"{instance_id}-task-{number}"),
         command_id=CommandId(f"{instance_id}-command-{number}"),
         instance_id=InstanceId(instance_id),
-        params=TextGenerationTaskParams(
-            model=ModelId("m"), messages=[ChatMessage(role="user", content="hi")]
-        ),
+        params=TextGenerationTaskParams(model=ModelId("m"), messages=[ChatMessage(role="user", content="hi")]),
         status=status,
     )
 
@@ -279,9 +263,7 @@ def load_state(
 ) -> State:
     return State(
         instances={InstanceId(i): serving_instance(card, i) for i in runner_status},
-        runners={
-            RunnerId(f"runner-of-{i}"): status for i, status in runner_status.items()
-        },
+        runners={RunnerId(f"runner-of-{i}"): status for i, status in runner_status.items()},
         tasks={t.task_id: t for t in tasks},
     )
 

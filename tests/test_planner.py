@@ -63,9 +63,7 @@ def card() -> ModelCard:
     return builtin_cards()["mlx-community/Qwen3.5-2B-MLX-8bit"]
 
 
-def instance_over(
-    card: ModelCard, nodes_and_runners: list[tuple[NodeId, RunnerId]]
-) -> Instance:
+def instance_over(card: ModelCard, nodes_and_runners: list[tuple[NodeId, RunnerId]]) -> Instance:
     world_size = len(nodes_and_runners)
     per_rank = card.n_layers // world_size
     bounds = [rank * per_rank for rank in range(world_size)] + [card.n_layers]
@@ -93,15 +91,11 @@ def instance_over(
 def downloaded(
     card: ModelCard, progress: DownloadProgress | None = None
 ) -> dict[NodeId, dict[ModelId, DownloadProgress]]:
-    progress = progress or DownloadCompleted(
-        total_bytes=card.storage_size.in_bytes, path="/models/qwen"
-    )
+    progress = progress or DownloadCompleted(total_bytes=card.storage_size.in_bytes, path="/models/qwen")
     return {NODE: {ModelId(card.model_id): progress}}
 
 
-def pending_task(
-    task_id: str = "task-1", status: TaskStatus = TaskStatus.Pending
-) -> TextGenerationTask:
+def pending_task(task_id: str = "task-1", status: TaskStatus = TaskStatus.Pending) -> TextGenerationTask:
     return TextGenerationTask(
         task_id=TaskId(task_id),
         command_id=CommandId(f"command-of-{task_id}"),
@@ -160,16 +154,12 @@ def test_find_model_when_there_is_no_download_record(card: ModelCard):
 
 
 def test_find_model_while_the_download_is_ongoing(card: ModelCard):
-    state = single_node_state(
-        card, download=DownloadOngoing(downloaded_bytes=1, total_bytes=10)
-    )
+    state = single_node_state(card, download=DownloadOngoing(downloaded_bytes=1, total_bytes=10))
     assert plan(NODE, state, {}, NOW) == FindModel(INSTANCE)
 
 
 def test_delete_instance_when_the_download_failed(card: ModelCard):
-    state = single_node_state(
-        card, download=DownloadFailed(error_message="repository not found")
-    )
+    state = single_node_state(card, download=DownloadFailed(error_message="repository not found"))
     action = plan(NODE, state, {}, NOW)
     assert isinstance(action, DeleteFailedInstance)
     assert action.instance_id == INSTANCE
@@ -187,9 +177,7 @@ def test_nothing_for_an_instance_without_a_runner_on_this_node(card: ModelCard):
 def test_create_runner_once_the_model_is_found_and_no_local_runner_exists(
     card: ModelCard,
 ):
-    assert plan(NODE, single_node_state(card), {}, NOW) == CreateRunner(
-        INSTANCE, RUNNER, attempt=1
-    )
+    assert plan(NODE, single_node_state(card), {}, NOW) == CreateRunner(INSTANCE, RUNNER, attempt=1)
 
 
 def test_nothing_until_the_new_runner_reports_its_status(card: ModelCard):
@@ -198,9 +186,7 @@ def test_nothing_until_the_new_runner_reports_its_status(card: ModelCard):
 
 def test_connect_to_group_when_the_runner_is_idle(card: ModelCard):
     state = single_node_state(card, RunnerIdle())
-    assert plan(NODE, state, local_runner(), NOW) == RunnerStep(
-        RUNNER, "ConnectToGroup"
-    )
+    assert plan(NODE, state, local_runner(), NOW) == RunnerStep(RUNNER, "ConnectToGroup")
 
 
 def test_nothing_while_waiting_for_a_step_already_sent(card: ModelCard):
@@ -216,9 +202,7 @@ def test_nothing_while_the_status_still_shows_the_previous_stage(card: ModelCard
 
 def test_load_model_once_connected(card: ModelCard):
     state = single_node_state(card, RunnerConnected())
-    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) == RunnerStep(
-        RUNNER, "LoadModel"
-    )
+    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) == RunnerStep(RUNNER, "LoadModel")
 
 
 def test_start_warmup_once_loaded(card: ModelCard):
@@ -232,9 +216,7 @@ def test_start_warmup_once_loaded(card: ModelCard):
 
 def test_forward_a_pending_task_once_ready(card: ModelCard):
     state = single_node_state(card, RunnerReady(), tasks=[pending_task()])
-    assert plan(NODE, state, local_runner(sent=ALL_STEPS), NOW) == ForwardTask(
-        RUNNER, TaskId("task-1")
-    )
+    assert plan(NODE, state, local_runner(sent=ALL_STEPS), NOW) == ForwardTask(RUNNER, TaskId("task-1"))
 
 
 def test_no_task_forwarded_before_the_runner_is_ready(card: ModelCard):
@@ -269,9 +251,7 @@ def test_cancel_an_in_flight_task_that_vanished_from_state(card: ModelCard):
 
 def test_shutdown_a_local_runner_whose_instance_is_gone(card: ModelCard):
     state = single_node_state(card).model_copy(update={"instances": {}})
-    assert plan(NODE, state, local_runner(sent=ALL_STEPS), NOW) == ShutdownRunner(
-        RUNNER
-    )
+    assert plan(NODE, state, local_runner(sent=ALL_STEPS), NOW) == ShutdownRunner(RUNNER)
 
 
 def test_no_shutdown_for_a_runner_that_already_exited(card: ModelCard):
@@ -288,24 +268,18 @@ def test_no_restart_before_the_backoff_elapsed(card: ModelCard):
 def test_restart_with_the_next_attempt_once_the_backoff_elapsed(card: ModelCard):
     state = single_node_state(card, RunnerFailed(error_message="segfault"))
     local = local_runner(exited=True, exited_at=NOW, attempt=1)
-    assert plan(NODE, state, local, NOW + RESTART_BACKOFF_SECONDS) == CreateRunner(
-        INSTANCE, RUNNER, attempt=2
-    )
+    assert plan(NODE, state, local, NOW + RESTART_BACKOFF_SECONDS) == CreateRunner(INSTANCE, RUNNER, attempt=2)
 
 
 def test_backoff_grows_with_the_attempt(card: ModelCard):
     state = single_node_state(card, RunnerFailed(error_message="segfault", attempt=2))
     local = local_runner(exited=True, exited_at=NOW, attempt=2)
     assert plan(NODE, state, local, NOW + RESTART_BACKOFF_SECONDS * 2 - 0.1) is None
-    assert plan(NODE, state, local, NOW + RESTART_BACKOFF_SECONDS * 2) == CreateRunner(
-        INSTANCE, RUNNER, attempt=3
-    )
+    assert plan(NODE, state, local, NOW + RESTART_BACKOFF_SECONDS * 2) == CreateRunner(INSTANCE, RUNNER, attempt=3)
 
 
 def test_delete_instance_after_max_runner_attempts(card: ModelCard):
-    state = single_node_state(
-        card, RunnerFailed(error_message="out of memory", attempt=MAX_RUNNER_ATTEMPTS)
-    )
+    state = single_node_state(card, RunnerFailed(error_message="out of memory", attempt=MAX_RUNNER_ATTEMPTS))
     local = local_runner(exited=True, exited_at=NOW, attempt=MAX_RUNNER_ATTEMPTS)
     action = plan(NODE, state, local, NOW + 3600)
     assert isinstance(action, DeleteFailedInstance)
@@ -317,14 +291,10 @@ def test_delete_instance_after_max_runner_attempts(card: ModelCard):
 # --- two ranks -------------------------------------------------------------------------------
 
 
-def two_rank_state(
-    card: ModelCard, own: RunnerStatus, other: RunnerStatus | None
-) -> State:
+def two_rank_state(card: ModelCard, own: RunnerStatus, other: RunnerStatus | None) -> State:
     runners = {RUNNER: own} | ({OTHER_RUNNER: other} if other is not None else {})
     return State(
-        instances={
-            INSTANCE: instance_over(card, [(NODE, RUNNER), (OTHER_NODE, OTHER_RUNNER)])
-        },
+        instances={INSTANCE: instance_over(card, [(NODE, RUNNER), (OTHER_NODE, OTHER_RUNNER)])},
         runners=runners,
         downloads=downloaded(card),
     )
@@ -342,6 +312,4 @@ def test_rank_0_does_not_load_until_the_other_rank_is_connected(card: ModelCard)
 
 def test_rank_0_loads_once_every_rank_is_connected(card: ModelCard):
     state = two_rank_state(card, own=RunnerConnected(), other=RunnerConnected())
-    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) == RunnerStep(
-        RUNNER, "LoadModel"
-    )
+    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) == RunnerStep(RUNNER, "LoadModel")

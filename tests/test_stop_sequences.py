@@ -19,9 +19,7 @@ def stream(stop: list[str], pieces: list[str]) -> tuple[str, bool]:
 
 def test_stop_sequence_split_over_several_feeds_is_never_shown():
     text_filter = StopSequenceFilter(["</answer>"])
-    shown = [
-        text_filter.feed(piece) for piece in ["42", "</", "ans", "wer", ">", " more"]
-    ]
+    shown = [text_filter.feed(piece) for piece in ["42", "</", "ans", "wer", ">", " more"]]
 
     assert shown[:4] == [("42", False), ("", False), ("", False), ("", False)]
     assert shown[4] == ("", True)

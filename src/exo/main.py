@@ -18,8 +18,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--api-port", type=int, default=52415, help="HTTP API and dashboard port")
     parser.add_argument("--api-host", default="0.0.0.0", help="address the HTTP API binds to")
-    parser.add_argument("--listen-port", type=int, default=0, help="cluster transport port (cluster support: next release)")
-    parser.add_argument("--discovery-port", type=int, default=0, help="UDP discovery port (cluster support: next release)")
+    parser.add_argument(
+        "--listen-port", type=int, default=0, help="cluster transport port (cluster support: next release)"
+    )
+    parser.add_argument(
+        "--discovery-port", type=int, default=0, help="UDP discovery port (cluster support: next release)"
+    )
     parser.add_argument(
         "--bootstrap-peers",
         default="",

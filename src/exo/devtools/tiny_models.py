@@ -85,9 +85,7 @@ def make_tiny_llama(
     model = llama.Model(llama.ModelArgs.from_dict(config))
     model.set_dtype(dtype)
     # Small weights keep logits well spread, so sampling and greedy decoding differ.
-    model.update(
-        nn.utils.tree_map(lambda p: p * 0.5 if isinstance(p, mx.array) else p, model.parameters())
-    )
+    model.update(nn.utils.tree_map(lambda p: p * 0.5 if isinstance(p, mx.array) else p, model.parameters()))
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})

@@ -57,9 +57,7 @@ def place_instance(
     raise PlacementError("; ".join(p.error or "" for p in previews))
 
 
-def instance_previews(
-    state: State, card: ModelCard, sharding: Sharding, min_nodes: int = 1
-) -> list[PlacementPreview]:
+def instance_previews(state: State, card: ModelCard, sharding: Sharding, min_nodes: int = 1) -> list[PlacementPreview]:
     node_ids = sorted(state.nodes)
     previews = []
     for size in range(max(min_nodes, 1), len(node_ids) + 1):
@@ -111,8 +109,7 @@ def _rejection_reason(
     short = [node_id for node_id in node_ids if needed[node_id] > available[node_id]]
     if short:
         return "; ".join(
-            f"node {node_id} has {available[node_id] / 2**30:.2f} GiB free, "
-            f"needs {needed[node_id] / 2**30:.2f} GiB"
+            f"node {node_id} has {available[node_id] / 2**30:.2f} GiB free, needs {needed[node_id] / 2**30:.2f} GiB"
             for node_id in short
         )
     return None
@@ -126,7 +123,7 @@ def split_layers(n_layers: int, weights: list[int]) -> list[tuple[int, int]]:
         share = round(n_layers * sum(weights[:i]) / total)
         bounds.append(min(max(share, bounds[-1] + 1), n_layers - (len(weights) - i)))
     bounds.append(n_layers)
-    return list(zip(bounds, bounds[1:]))
+    return list(zip(bounds, bounds[1:], strict=False))
 
 
 def _build_instance(

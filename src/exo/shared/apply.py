@@ -57,9 +57,7 @@ def apply_event(state: State, event: Event) -> State:
             if instance is not None:
                 gone = instance.shard_assignments.runner_to_shard.keys()
                 runners = {r: s for r, s in runners.items() if r not in gone}
-            return state.model_copy(
-                update={"instances": _without(state.instances, instance_id), "runners": runners}
-            )
+            return state.model_copy(update={"instances": _without(state.instances, instance_id), "runners": runners})
         case RunnerStatusUpdated(runner_id=runner_id, status=status):
             if not any(runner_id in i.shard_assignments.runner_to_shard for i in state.instances.values()):
                 return state  # a late report from a runner of a deleted instance
@@ -78,9 +76,7 @@ def apply_event(state: State, event: Event) -> State:
             return state.model_copy(update={"tasks": _without(state.tasks, task_id)})
         case NodeDownloadProgress(node_id=node_id, model_id=model_id, progress=progress):
             node_downloads = {**state.downloads.get(node_id, {}), model_id: progress}
-            return state.model_copy(
-                update={"downloads": {**state.downloads, node_id: node_downloads}}
-            )
+            return state.model_copy(update={"downloads": {**state.downloads, node_id: node_downloads}})
 
 
 def _without(mapping: dict[K, V], key: K) -> dict[K, V]:

@@ -81,9 +81,7 @@ class CancelTask:
     task_id: TaskId
 
 
-PlannerAction = (
-    CreateRunner | ShutdownRunner | DeleteFailedInstance | FindModel | RunnerStep | ForwardTask | CancelTask
-)
+PlannerAction = CreateRunner | ShutdownRunner | DeleteFailedInstance | FindModel | RunnerStep | ForwardTask | CancelTask
 
 
 def plan(node_id: NodeId, state: State, local: dict[RunnerId, LocalRunner], now: float) -> PlannerAction | None:
@@ -121,9 +119,7 @@ def _plan_instance(
         if runner.attempt >= MAX_RUNNER_ATTEMPTS:
             status = state.runners.get(runner_id)
             detail = status.error_message if isinstance(status, RunnerFailed) else "runner exited"
-            return DeleteFailedInstance(
-                instance.instance_id, f"runner failed {runner.attempt} times, last: {detail}"
-            )
+            return DeleteFailedInstance(instance.instance_id, f"runner failed {runner.attempt} times, last: {detail}")
         if runner.exited_at is not None and now - runner.exited_at >= RESTART_BACKOFF_SECONDS * runner.attempt:
             return CreateRunner(instance.instance_id, runner_id, attempt=runner.attempt + 1)
         return None

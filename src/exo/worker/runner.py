@@ -69,7 +69,9 @@ class Runner:
                 self.engine.connect(self.instance, self.shard)
                 self.set_status(RunnerConnected())
             case LoadModel(model_dir=model_dir):
-                self.set_status(RunnerLoading(layers_loaded=0, total_layers=self.shard.end_layer - self.shard.start_layer))
+                self.set_status(
+                    RunnerLoading(layers_loaded=0, total_layers=self.shard.end_layer - self.shard.start_layer)
+                )
                 self.engine.load(
                     Path(model_dir),
                     self.shard,

@@ -123,9 +123,7 @@ class Worker:
             case FindModel(instance_id=instance_id):
                 model_id = state.instances[instance_id].model_id
                 self._find_model(model_id)
-                await self.replica.wait_for(
-                    lambda s: model_id in s.downloads.get(self.node_id, {}), timeout=10
-                )
+                await self.replica.wait_for(lambda s: model_id in s.downloads.get(self.node_id, {}), timeout=10)
             case CreateRunner(instance_id=instance_id, runner_id=runner_id, attempt=attempt):
                 old = self.supervisors.pop(runner_id, None)
                 if old is not None:

@@ -106,7 +106,9 @@ class ChunkEncoder:
     def encode(self, chunk: ChunkGenerated) -> list[str]:
         if chunk.finish_reason == "error":
             message = chunk.error_message or "generation failed"
-            return [f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': 'generation_failed'}})}\n\n"]
+            return [
+                f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': 'generation_failed'}})}\n\n"
+            ]
         events = []
         delta: dict[str, Any] = {}
         if not self._sent_role:

@@ -55,7 +55,9 @@ def node_of(request: Request) -> "Node":
 def card_or_404(node: "Node", model_id: str) -> ModelCard:
     card = node.cards().get(model_id)
     if card is None:
-        raise ApiError(404, f"model '{model_id}' is not known to this cluster", code="model_not_found", param="model_id")
+        raise ApiError(
+            404, f"model '{model_id}' is not known to this cluster", code="model_not_found", param="model_id"
+        )
     return card
 
 
@@ -156,8 +158,11 @@ def _matching(state: State, instance_id: str | None, model_id: str | None) -> li
 async def _await_events(
     node: "Node", instance_id: str | None, model_id: str | None, timeout: float
 ) -> AsyncIterator[str]:
+    def sse(event: str, data: dict[str, Any]) -> str:
+        return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    started = loop.time()
     last_sent = None
     while True:
         state = node.replica.state
@@ -170,28 +175,27 @@ async def _await_events(
         update = {r: (s.model_dump(mode="json") if s else None) for r, s in statuses.items()}
         if update != last_sent:
             last_sent = update
-            yield f"event: status\ndata: {json.dumps({'runners': update})}\n\n"
-        ready = [
-            i
-            for i in instances
-            if all(isinstance(state.runners.get(r), SERVING_STATUSES) for r in i.shard_assignments.runner_to_shard)
-        ]
-        if ready:
-            yield f"event: ready\ndata: {json.dumps({'instance_id': ready[0].instance_id})}\n\n"
-            return
+            yield sse("status", {"runners": update})
+        for instance in instances:
+            if all(
+                isinstance(state.runners.get(r), SERVING_STATUSES) for r in instance.shard_assignments.runner_to_shard
+            ):
+                yield sse("ready", {"instance_id": instance.instance_id})
+                return
         failed = [s for s in statuses.values() if isinstance(s, RunnerFailed)]
         if failed and instance_id is not None:
-            yield f"event: error\ndata: {json.dumps({'message': failed[0].error_message})}\n\n"
+            yield sse("error", {"message": failed[0].error_message})
             return
-        if not instances and instance_id is not None and loop.time() > deadline - timeout + 5:
-            yield f"event: error\ndata: {json.dumps({'message': f'instance {instance_id} does not exist'})}\n\n"
+        waited = loop.time() - started
+        # A placement takes a moment to reach State; after that, a missing instance is gone.
+        if instance_id is not None and not instances and waited > 5:
+            yield sse("error", {"message": f"instance {instance_id} does not exist"})
             return
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            yield f"event: error\ndata: {json.dumps({'message': 'timed out waiting for the instance'})}\n\n"
+        if waited >= timeout:
+            yield sse("error", {"message": "timed out waiting for the instance"})
             return
         try:
-            await node.replica.wait_for(lambda s: s is not state, timeout=min(remaining, 1.0))
+            await node.replica.wait_for(lambda s, seen=state: s is not seen, timeout=min(timeout - waited, 1.0))
         except TimeoutError:
             pass
 

@@ -68,7 +68,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
         node.send_command(TaskFinished(finished_command_id=command.command_id))
 
     if body.stream:
-        encoder = ChunkEncoder(completion_id, body.model, bool(body.stream_options and body.stream_options.include_usage))
+        encoder = ChunkEncoder(
+            completion_id, body.model, bool(body.stream_options and body.stream_options.include_usage)
+        )
 
         async def sse() -> AsyncIterator[str]:
             # `finally` also runs when the client disconnects, which stops generation.

@@ -181,9 +181,7 @@ def card_from_model_dir(model_dir: Path, model_id: str) -> ModelCard:
     if n_layers is None or hidden_size is None:
         raise ValueError(f"{model_dir / 'config.json'} has no num_hidden_layers or hidden_size")
     # Configs without num_key_value_heads use plain multi-head attention.
-    kv_heads = _config_value(config, "num_key_value_heads") or _config_value(
-        config, "num_attention_heads"
-    )
+    kv_heads = _config_value(config, "num_key_value_heads") or _config_value(config, "num_attention_heads")
     quantization = config.get("quantization") or config.get("quantization_config") or {}
     bits = quantization.get("bits")
     capabilities = ["text", "vision"] if "vision_config" in config else ["text"]

@@ -46,6 +46,4 @@ class TensorShardMetadata(ShardBase):
     kind: Literal["tensor"] = "tensor"
 
 
-ShardMetadata = Annotated[
-    PipelineShardMetadata | TensorShardMetadata, Field(discriminator="kind")
-]
+ShardMetadata = Annotated[PipelineShardMetadata | TensorShardMetadata, Field(discriminator="kind")]
