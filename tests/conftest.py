@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,8 @@ class ExoNode:
         raise AssertionError(f"timed out waiting for {what}; last state: {state}")
 
     def place(self, model_id: str = TINY_MODEL_ID, timeout: float = 120) -> str:
+        node_id = self.get("/node_id").json()
+        self.wait_for_state(lambda s: node_id in s["nodes"], what="this node in the topology")
         response = self.post("/place_instance", json={"model_id": model_id})
         assert response.status_code == 200, response.text
         instance_id = response.json()["instance_id"]
@@ -83,13 +86,34 @@ class ExoNode:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def start_node(home: Path, env_extra: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> ExoNode:
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("0.0.0.0", 0))
+        return sock.getsockname()[1]
+
+
+def start_node(
+    home: Path,
+    env_extra: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
+    namespace: str | None = None,
+    discovery_port: int | None = None,
+) -> ExoNode:
+    """A real `exo` process. Unless told otherwise it gets a namespace and discovery port
+    of its own, so nodes of concurrent tests never find each other."""
     api_port = free_port()
+    namespace = namespace or f"test-{uuid.uuid4().hex[:8]}"
+    discovery_port = discovery_port or free_udp_port()
     home.mkdir(parents=True, exist_ok=True)
     log_path = home / "node-output.log"
     env = {**os.environ, "EXO_HOME": str(home), **(env_extra or {})}
     process = subprocess.Popen(
-        [sys.executable, "-m", "exo.main", "--api-port", str(api_port), "--api-host", "127.0.0.1", *args],
+        [
+            sys.executable, "-m", "exo.main",
+            "--api-port", str(api_port), "--api-host", "127.0.0.1",
+            "--namespace", namespace, "--discovery-port", str(discovery_port),
+            *args,
+        ],
         env=env,
         stdout=log_path.open("wb"),
         stderr=subprocess.STDOUT,

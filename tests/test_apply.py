@@ -36,6 +36,8 @@ from exo.shared.types.events import (
     TaskCreated,
     TaskDeleted,
     TaskStatusUpdated,
+    TopologyEdgeDeleted,
+    TopologyEdgeUpdated,
 )
 from exo.shared.types.instances import Instance, ShardAssignments, Sharding
 from exo.shared.types.nodes import MemoryInfo, NodeInfo
@@ -51,6 +53,7 @@ from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TaskStatus, TextGenerationTask
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.shared.types.topology import Connection
 
 GiB = 2**30
 NODE_A = NodeId("node-a")
@@ -106,6 +109,7 @@ def task(instance_id: str, task_id: str = "task-1") -> TextGenerationTask:
         task_id=TaskId(task_id),
         command_id=CommandId(f"command-of-{task_id}"),
         instance_id=InstanceId(instance_id),
+        origin_session="api-session",
         params=TextGenerationTaskParams(
             model=ModelId("mlx-community/DeepSeek-V4-Flash"),
             messages=[ChatMessage(role="user", content="Why is the sky blue?")],
@@ -331,6 +335,10 @@ def one_of_each_event(card: ModelCard) -> list[Event]:
             model_id=model_id,
             progress=DownloadOngoing(downloaded_bytes=10, total_bytes=100),
         ),
+        TopologyEdgeUpdated(
+            connection=Connection(source=NODE_A, sink=NODE_B, sink_ip="10.0.0.2", latency_ms=0.4, bandwidth_mbps=9400)
+        ),
+        TopologyEdgeDeleted(source=NODE_B, sink=NODE_A),
     ]
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from exo.master.event_log import EventLog, read_event_log
+from exo.shared.event_log import EventLog, read_event_log
 from exo.shared.types.common import NodeId, TaskId
 from exo.shared.types.events import (
     IndexedEvent,

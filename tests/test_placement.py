@@ -8,9 +8,11 @@ import pytest
 
 from exo.master.master import least_loaded_instance
 from exo.master.placement import (
-    MEMORY_OVERHEAD,
+    RING_BASE_PORT,
+    RUNTIME_OVERHEAD_BYTES,
     PlacementError,
     instance_previews,
+    kv_cache_bytes,
     place_instance,
     split_layers,
 )
@@ -36,10 +38,11 @@ from exo.shared.types.runners import (
     RunnerRunning,
     RunnerStatus,
 )
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TaskStatus, TextGenerationTask
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.shared.types.topology import Connection, Topology
 
 GiB = 2**30
 
@@ -66,19 +69,79 @@ def node(node_id: str, available_gib: float) -> NodeInfo:
 
 
 def cluster(**available_gib: float) -> State:
+    """Nodes with this much free memory and no links between them."""
     return State(nodes={NodeId(name): node(name, gib) for name, gib in available_gib.items()})
 
 
-def tensor_card(hidden_size: int, num_key_value_heads: int) -> ModelCard:
+def ip_of(name: str) -> str:
+    return f"10.0.0.{ord(name[0]) - ord('a') + 1}"
+
+
+def linked(
+    state: State,
+    *pairs: str,
+    bandwidth_mbps: float | None = None,
+    latency_ms: float | None = None,
+    one_way: bool = False,
+) -> State:
+    """`state` with links both ways (or only first -> second) for each "a-b" pair; each
+    node is reached at its own 10.0.0.x address."""
+    topology = state.topology
+    for pair in pairs:
+        first, second = (NodeId(name) for name in pair.split("-"))
+        for source, sink in [(first, second)] if one_way else [(first, second), (second, first)]:
+            topology = topology.with_connection(
+                Connection(
+                    source=source,
+                    sink=sink,
+                    sink_ip=ip_of(sink),
+                    bandwidth_mbps=bandwidth_mbps,
+                    latency_ms=latency_ms,
+                )
+            )
+    return state.model_copy(update={"topology": topology})
+
+
+def fully_linked(**available_gib: float) -> State:
+    names = list(available_gib)
+    return linked(cluster(**available_gib), *(f"{a}-{b}" for a, b in itertools.combinations(names, 2)))
+
+
+def make_card(
+    *,
+    n_layers: int = 24,
+    hidden_size: int = 4096,
+    num_key_value_heads: int = 8,
+    weights_gib: float = 4,
+    context_length: int = 4096,
+    supports_tensor: bool = True,
+    base_model: str = "",
+) -> ModelCard:
     return ModelCard(
-        model_id="test/tensor-model",
-        n_layers=24,
+        model_id="test/model",
+        n_layers=n_layers,
         hidden_size=hidden_size,
         num_key_value_heads=num_key_value_heads,
-        supports_tensor=True,
+        supports_tensor=supports_tensor,
         tasks=[ModelTask.TextGeneration],
-        storage_size=StorageSize(in_bytes=4 * GiB),
+        base_model=base_model,
+        context_length=context_length,
+        storage_size=StorageSize(in_bytes=int(weights_gib * GiB)),
     )
+
+
+def tensor_card(hidden_size: int, num_key_value_heads: int) -> ModelCard:
+    return make_card(hidden_size=hidden_size, num_key_value_heads=num_key_value_heads)
+
+
+def shards_by_rank(instance: Instance) -> list[ShardMetadata]:
+    return sorted(instance.shard_assignments.runner_to_shard.values(), key=lambda s: s.device_rank)
+
+
+def nodes_by_rank(instance: Instance) -> list[NodeId]:
+    runner_to_node = {runner: node for node, runner in instance.shard_assignments.node_to_runner.items()}
+    ranked = sorted(instance.shard_assignments.runner_to_shard.items(), key=lambda item: item[1].device_rank)
+    return [runner_to_node[runner] for runner, _ in ranked]
 
 
 # --- place_instance ------------------------------------------------------------------------
@@ -92,6 +155,7 @@ def test_single_node_with_enough_memory_gets_a_one_node_pipeline_instance(
     assert instance.sharding == Sharding.Pipeline
     assert instance.model_id == small_card.model_id
     assert instance.world_size == 1
+    assert instance.hosts == []
     [(runner_id, shard)] = instance.shard_assignments.runner_to_shard.items()
     assert instance.shard_assignments.node_to_runner == {NodeId("studio"): runner_id}
     assert isinstance(shard, PipelineShardMetadata)
@@ -100,7 +164,8 @@ def test_single_node_with_enough_memory_gets_a_one_node_pipeline_instance(
 
 
 def test_not_enough_memory_names_the_node_and_the_gib_figures(small_card: ModelCard):
-    needed_gib = small_card.storage_size.in_bytes * MEMORY_OVERHEAD / GiB
+    kv_bytes = kv_cache_bytes(small_card, small_card.context_length)
+    needed_gib = (small_card.storage_size.in_bytes + kv_bytes + RUNTIME_OVERHEAD_BYTES) / GiB
 
     with pytest.raises(PlacementError) as error:
         place_instance(cluster(macbook=1.5), small_card)
@@ -109,24 +174,72 @@ def test_not_enough_memory_names_the_node_and_the_gib_figures(small_card: ModelC
     assert "macbook" in message
     assert "1.50 GiB free" in message
     assert f"needs {needed_gib:.2f} GiB" in message
+    assert f"{kv_bytes / GiB:.2f} GiB KV cache for {small_card.context_length} tokens" in message
 
 
 def test_fewest_nodes_win_when_one_node_suffices(small_card: ModelCard):
-    instance = place_instance(cluster(a=64, b=64), small_card)
+    instance = place_instance(fully_linked(a=64, b=64), small_card)
     assert instance.world_size == 1
+
+
+def test_among_single_nodes_the_one_with_most_free_memory_wins(small_card: ModelCard):
+    instance = place_instance(cluster(a=30, b=60, c=45), small_card)
+    assert list(instance.shard_assignments.node_to_runner) == [NodeId("b")]
 
 
 def test_pipeline_over_two_nodes_covers_all_layers_in_rank_order():
     card = builtin_cards()["mlx-community/DeepSeek-V4-Flash"]
-    instance = place_instance(cluster(a=100, b=100), card, min_nodes=2)
+    instance = place_instance(fully_linked(a=100, b=100), card, min_nodes=2)
 
-    shards = sorted(instance.shard_assignments.runner_to_shard.values(), key=lambda s: s.device_rank)
-    assert [(s.start_layer, s.end_layer) for s in shards] == [(0, 22), (22, 43)]
+    assert [(s.start_layer, s.end_layer) for s in shards_by_rank(instance)] == [(0, 22), (22, 43)]
 
 
 def test_empty_cluster_says_how_many_nodes_are_needed(small_card: ModelCard):
     with pytest.raises(PlacementError, match="0 worker node"):
         place_instance(State(), small_card)
+
+
+def test_fewer_worker_nodes_than_min_nodes_says_so(small_card: ModelCard):
+    with pytest.raises(PlacementError, match=r"1 worker node\(s\), at least 2 needed"):
+        place_instance(cluster(a=64), small_card, min_nodes=2)
+    assert instance_previews(cluster(a=64), small_card, Sharding.Pipeline, min_nodes=2) == []
+
+
+# --- KV cache ------------------------------------------------------------------------------
+
+
+def test_kv_cache_bytes_counts_keys_and_values_of_every_layer_in_bf16():
+    # No attention head count on the card: head_dim is assumed to be 128.
+    card = make_card(n_layers=24, num_key_value_heads=8)
+    assert kv_cache_bytes(card, 1000) == 2 * 24 * 8 * 128 * 1000 * 2
+
+
+def test_a_model_that_fits_by_weights_but_not_with_its_kv_cache_is_rejected():
+    card = make_card(weights_gib=4, context_length=131072)  # 12 GiB of KV cache at full context
+    with pytest.raises(PlacementError, match=r"node a has 8.00 GiB free, needs 17.00 GiB") as error:
+        place_instance(cluster(a=8), card)
+    assert "12.00 GiB KV cache for 131072 tokens" in str(error.value)
+
+
+def test_the_same_model_fits_with_a_smaller_requested_context():
+    card = make_card(weights_gib=4, context_length=131072)
+    instance = place_instance(cluster(a=8), card, context_length=8192)
+    assert instance.world_size == 1
+
+
+def test_a_requested_context_is_capped_by_the_cards():
+    card = make_card(context_length=4096)
+    [preview] = instance_previews(cluster(a=64), card, Sharding.Pipeline, context_length=1_000_000)
+    assert preview.context_length == 4096
+    [preview] = instance_previews(cluster(a=64), card, Sharding.Pipeline)
+    assert preview.context_length == 4096
+
+
+def test_kv_cache_makes_a_second_node_necessary():
+    # 4 GiB of weights and 12 GiB of cache: no 10 GiB node holds it, two share it.
+    card = make_card(weights_gib=4, context_length=131072)
+    instance = place_instance(fully_linked(a=10, b=10), card)
+    assert instance.world_size == 2
 
 
 # --- split_layers --------------------------------------------------------------------------
@@ -177,13 +290,29 @@ def test_split_layers_is_contiguous_covering_and_non_empty_for_many_weight_lists
         assert_valid_split(n_layers, ranges, parts)
 
 
+def test_pipeline_layers_are_split_in_proportion_to_free_memory_beyond_the_overhead():
+    # 60 GiB and 20 GiB left after the 1 GiB runtime overhead: three layers to one.
+    card = make_card(n_layers=40, weights_gib=40)
+    instance = place_instance(fully_linked(a=61, b=21), card, min_nodes=2)
+
+    assert nodes_by_rank(instance) == ["a", "b"]
+    assert [(s.start_layer, s.end_layer) for s in shards_by_rank(instance)] == [(0, 30), (30, 40)]
+
+
+def test_pipeline_with_more_nodes_than_layers_is_rejected():
+    previews = instance_previews(fully_linked(a=64, b=64, c=64), make_card(n_layers=2), Sharding.Pipeline, 3)
+    [preview] = previews
+    assert preview.instance is None
+    assert "2 layers, too few for 3 pipeline ranks" in preview.error
+
+
 # --- tensor --------------------------------------------------------------------------------
 
 
 def test_tensor_is_rejected_when_hidden_size_is_not_divisible():
     with pytest.raises(PlacementError, match=r"hidden_size \(4096\).*divisible by 3"):
         place_instance(
-            cluster(a=64, b=64, c=64),
+            fully_linked(a=64, b=64, c=64),
             tensor_card(4096, 12),
             Sharding.Tensor,
             min_nodes=3,
@@ -191,17 +320,187 @@ def test_tensor_is_rejected_when_hidden_size_is_not_divisible():
 
 
 def test_tensor_is_rejected_when_kv_heads_are_not_divisible():
-    # DeepSeek V4 Flash has a single KV head.
-    card = builtin_cards()["mlx-community/DeepSeek-V4-Flash"]
+    # Gemma 4 E2B has a single KV head.
+    card = builtin_cards()["mlx-community/gemma-4-e2b-it-bf16"]
     with pytest.raises(PlacementError, match=r"num_key_value_heads \(1\).*divisible by 2"):
-        place_instance(cluster(a=200, b=200), card, Sharding.Tensor, min_nodes=2)
+        place_instance(fully_linked(a=200, b=200), card, Sharding.Tensor, min_nodes=2)
+
+
+def test_tensor_is_rejected_for_a_card_without_tensor_support():
+    card = make_card(supports_tensor=False)
+    with pytest.raises(PlacementError, match="does not support tensor parallelism"):
+        place_instance(fully_linked(a=64, b=64), card, Sharding.Tensor, min_nodes=2)
+
+
+def test_deepseek_v4_is_exempt_from_the_kv_head_rule():
+    # One KV head, but its strategy splits query/output heads and MoE experts instead.
+    card = builtin_cards()["mlx-community/DeepSeek-V4-Flash"]
+    assert card.num_key_value_heads == 1
+
+    instance = place_instance(fully_linked(a=100, b=100), card, Sharding.Tensor, min_nodes=2)
+
+    assert instance.sharding == Sharding.Tensor
+    assert instance.world_size == 2
+    assert {(s.start_layer, s.end_layer) for s in shards_by_rank(instance)} == {(0, card.n_layers)}
 
 
 def test_tensor_over_two_nodes_gives_every_rank_every_layer():
-    instance = place_instance(cluster(a=64, b=64), tensor_card(4096, 8), Sharding.Tensor, min_nodes=2)
+    instance = place_instance(fully_linked(a=64, b=64), tensor_card(4096, 8), Sharding.Tensor, min_nodes=2)
     shards = instance.shard_assignments.runner_to_shard.values()
     assert {(s.kind, s.start_layer, s.end_layer) for s in shards} == {("tensor", 0, 24)}
     assert sorted(s.device_rank for s in shards) == [0, 1]
+
+
+def test_tensor_splits_weights_and_kv_cache_evenly():
+    card = make_card(weights_gib=30, context_length=131072)  # 12 GiB of KV cache
+    [preview] = instance_previews(fully_linked(a=64, b=64), card, Sharding.Tensor, min_nodes=2)
+    assert preview.memory_needed_bytes == {"a": 22 * GiB, "b": 22 * GiB}
+
+
+# --- rings ---------------------------------------------------------------------------------
+
+
+def test_two_nodes_linked_both_ways_form_a_ring():
+    card = make_card(weights_gib=30)
+    instance = place_instance(fully_linked(a=20, b=20), card)
+    assert sorted(nodes_by_rank(instance)) == ["a", "b"]
+
+
+def test_three_nodes_linked_pairwise_form_a_ring():
+    card = make_card(weights_gib=40)
+    instance = place_instance(fully_linked(a=16, b=16, c=16), card)
+    assert sorted(nodes_by_rank(instance)) == ["a", "b", "c"]
+
+
+def test_four_nodes_in_a_square_are_ranked_along_its_sides():
+    card = make_card(weights_gib=50)
+    # a-b-c-d-a, without the diagonals a-c and b-d.
+    state = linked(cluster(a=16, b=16, c=16, d=16), "a-b", "b-c", "c-d", "d-a")
+    ranks = nodes_by_rank(place_instance(state, card))
+    assert len(ranks) == 4
+    for rank, node_id in enumerate(ranks):
+        assert state.topology.has_edge(ranks[rank - 1], node_id)
+
+
+def test_a_pair_with_a_one_way_link_is_rejected_with_the_direction():
+    card = make_card(weights_gib=30)
+    state = linked(cluster(a=20, b=20), "a-b", one_way=True)
+
+    [preview] = instance_previews(state, card, Sharding.Pipeline, min_nodes=2)
+    assert preview.instance is None
+    assert "no cycle through a, b" in preview.error
+    assert "only a -> b" in preview.error
+    with pytest.raises(PlacementError, match="no cycle through a, b"):
+        place_instance(state, card, min_nodes=2)
+
+
+def test_three_nodes_missing_one_pair_do_not_form_a_ring():
+    card = make_card(weights_gib=40)
+    state = linked(cluster(a=16, b=16, c=16), "a-b", "b-c")
+    [preview] = instance_previews(state, card, Sharding.Pipeline, min_nodes=3)
+    assert "no link between a and c" in preview.error
+
+
+def test_nodes_without_a_worker_are_not_placed_on_even_when_linked():
+    card = make_card(weights_gib=30)
+    state = linked(cluster(a=20, b=20), "a-ghost", "b-ghost")
+    previews = instance_previews(state, card, Sharding.Pipeline)
+    assert {tuple(p.node_ids) for p in previews} == {("a",), ("b",), ("a", "b")}
+    assert all(p.instance is None for p in previews)
+
+
+# --- hosts ---------------------------------------------------------------------------------
+
+
+def test_each_rank_is_addressed_where_the_previous_rank_reached_it():
+    card = make_card(weights_gib=30)
+    state = cluster(a=20, b=20).model_copy(
+        update={
+            "topology": Topology(
+                connections=[
+                    Connection(source=NodeId("a"), sink=NodeId("b"), sink_ip="192.168.1.2"),
+                    Connection(source=NodeId("b"), sink=NodeId("a"), sink_ip="192.168.1.1"),
+                ]
+            )
+        }
+    )
+    instance = place_instance(state, card)
+    assert nodes_by_rank(instance) == ["a", "b"]
+    assert instance.hosts == [f"192.168.1.1:{RING_BASE_PORT}", f"192.168.1.2:{RING_BASE_PORT + 1}"]
+
+
+def test_two_ranks_on_one_ip_get_distinct_ports():
+    card = make_card(weights_gib=30)
+    state = cluster(a=20, b=20).model_copy(
+        update={
+            "topology": Topology(
+                connections=[
+                    Connection(source=NodeId("a"), sink=NodeId("b"), sink_ip="127.0.0.1"),
+                    Connection(source=NodeId("b"), sink=NodeId("a"), sink_ip="127.0.0.1"),
+                ]
+            )
+        }
+    )
+    hosts = place_instance(state, card).hosts
+    assert [host.split(":")[0] for host in hosts] == ["127.0.0.1", "127.0.0.1"]
+    assert len(set(hosts)) == 2
+
+
+def test_ports_of_instances_already_in_state_are_not_reused():
+    card = make_card(weights_gib=30)
+    state = fully_linked(a=40, b=40)
+    first = place_instance(state, card, min_nodes=2)
+    state = state.model_copy(update={"instances": {first.instance_id: first}})
+
+    second = place_instance(state, card, min_nodes=2)
+
+    first_ports = {host.rsplit(":", 1)[1] for host in first.hosts}
+    second_ports = {host.rsplit(":", 1)[1] for host in second.hosts}
+    assert len(second_ports) == 2
+    assert first_ports.isdisjoint(second_ports)
+
+
+def test_placement_from_the_same_state_picks_the_same_nodes_and_hosts():
+    card = make_card(weights_gib=40)
+    state = fully_linked(a=16, b=16, c=16)
+    first, second = place_instance(state, card), place_instance(state, card)
+    assert first.hosts == second.hosts
+    assert nodes_by_rank(first) == nodes_by_rank(second)
+
+
+# --- preference ----------------------------------------------------------------------------
+
+
+def test_the_pair_with_the_faster_link_wins_over_the_one_with_more_memory():
+    card = make_card(weights_gib=30)
+    state = cluster(a=40, b=40, c=20, d=20)
+    state = linked(state, "a-b", bandwidth_mbps=1_000, latency_ms=1)
+    state = linked(state, "c-d", bandwidth_mbps=10_000, latency_ms=1)
+    instance = place_instance(state, card, min_nodes=2)
+    assert sorted(nodes_by_rank(instance)) == ["c", "d"]
+
+
+def test_with_equal_bandwidth_the_lower_latency_wins():
+    card = make_card(weights_gib=30)
+    state = cluster(a=40, b=40, c=20, d=20)
+    state = linked(state, "a-b", bandwidth_mbps=10_000, latency_ms=5)
+    state = linked(state, "c-d", bandwidth_mbps=10_000, latency_ms=0.5)
+    assert sorted(nodes_by_rank(place_instance(state, card, min_nodes=2))) == ["c", "d"]
+
+
+def test_an_unmeasured_link_counts_as_the_slowest():
+    card = make_card(weights_gib=30)
+    state = cluster(a=40, b=40, c=20, d=20)
+    state = linked(state, "a-b")
+    state = linked(state, "c-d", bandwidth_mbps=10, latency_ms=50)
+    assert sorted(nodes_by_rank(place_instance(state, card, min_nodes=2))) == ["c", "d"]
+
+
+def test_with_equal_links_the_pair_with_more_free_memory_wins():
+    card = make_card(weights_gib=30)
+    state = cluster(a=20, b=20, c=40, d=40)
+    state = linked(state, "a-b", "c-d", bandwidth_mbps=10_000, latency_ms=1)
+    assert sorted(nodes_by_rank(place_instance(state, card, min_nodes=2))) == ["c", "d"]
 
 
 # --- previews ------------------------------------------------------------------------------
@@ -219,6 +518,26 @@ def test_instance_previews_list_rejected_options_with_an_error_reason(
     rejected = by_nodes[("tiny",)]
     assert rejected.instance is None
     assert "node tiny has 0.50 GiB free" in rejected.error
+
+
+def test_every_option_is_previewed_and_every_rejected_one_says_why():
+    card = make_card(weights_gib=30, num_key_value_heads=3, hidden_size=4098)
+    state = linked(cluster(a=20, b=20, c=8, d=64), "a-b", "b-c", "a-c")
+    state = linked(state, "a-d", one_way=True)
+
+    previews = instance_previews(state, card)
+
+    # Every non-empty subset of four nodes, with each sharding.
+    assert len(previews) == 2 * 15
+    assert {p.sharding for p in previews} == {Sharding.Pipeline, Sharding.Tensor}
+    for preview in previews:
+        assert (preview.instance is None) != (preview.error is None)
+        assert preview.error is None or preview.error.strip()
+        assert set(preview.memory_needed_bytes) == set(preview.node_ids)
+        assert set(preview.memory_available_bytes) == set(preview.node_ids)
+    feasible = [p for p in previews if p.instance is not None]
+    assert feasible, "a-b and a-b-c pipelines, and d alone, fit"
+    assert previews[: len(feasible)] == feasible, "feasible options are listed first"
 
 
 # --- least_loaded_instance -------------------------------------------------------------------
@@ -251,6 +570,7 @@ def task_on(instance_id: str, number: int, status: TaskStatus = TaskStatus.Runni
         task_id=TaskId(f"{instance_id}-task-{number}"),
         command_id=CommandId(f"{instance_id}-command-{number}"),
         instance_id=InstanceId(instance_id),
+        origin_session="api-session",
         params=TextGenerationTaskParams(model=ModelId("m"), messages=[ChatMessage(role="user", content="hi")]),
         status=status,
     )

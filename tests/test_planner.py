@@ -100,6 +100,7 @@ def pending_task(task_id: str = "task-1", status: TaskStatus = TaskStatus.Pendin
         task_id=TaskId(task_id),
         command_id=CommandId(f"command-of-{task_id}"),
         instance_id=INSTANCE,
+        origin_session="api-session",
         params=TextGenerationTaskParams(
             model=ModelId("mlx-community/Qwen3.5-2B-MLX-8bit"),
             messages=[ChatMessage(role="user", content="Hello")],

@@ -11,6 +11,7 @@ from loguru import logger
 from exo.master.master import Master
 from exo.routing.election import Election
 from exo.routing.router import Router, Topic
+from exo.routing.zenoh_transport import ZenohTransport
 from exo.shared.models.model_cards import ModelCard, all_cards
 from exo.shared.replica import StateReplica
 from exo.shared.types.commands import Command
@@ -49,15 +50,20 @@ class Node:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self.node_id = load_node_id(config.exo_home)
-        self.router = Router()
-        self.replica = StateReplica(self.router)
+        self.session_id = new_id()
+        transport = ZenohTransport(
+            config.namespace, config.listen_port, config.discovery_port, list(config.bootstrap_peers)
+        )
+        self.router = Router(self.node_id, transport)
+        self.replica = StateReplica(self.router, config.exo_home / "data" / "event_log.jsonl")
         self.master: Master | None = None
+        self._master_task: asyncio.Task[None] | None = None
         self.worker = (
             Worker(self.node_id, self.router, self.replica, config.exo_home, config.api_port, config.verbose)
             if config.run_worker
             else None
         )
-        self.election = Election(self.node_id, self.router, self._on_elected, config.force_master)
+        self.election = Election(self.node_id, self.session_id, self.router, self._on_elected, config.force_master)
         self._tasks: list[asyncio.Task[None]] = []
 
     def cards(self) -> dict[str, ModelCard]:
@@ -69,15 +75,23 @@ class Node:
 
     async def _on_elected(self, master_id: NodeId) -> None:
         if master_id == self.node_id and self.master is None:
-            logger.info(f"node {self.node_id} is the master")
-            self.master = Master(self.node_id, self.router, self.config.exo_home / "data" / "event_log.jsonl")
-            self._tasks.append(asyncio.create_task(self.master.run(), name="master"))
+            logger.info(f"node {self.node_id} is now the master")
+            self.master = Master(
+                self.node_id, self.router, self.replica, self.election.alive_nodes, self.election.alive_sessions
+            )
+            self._master_task = asyncio.create_task(self.master.run(), name="master")
+        elif master_id != self.node_id and self.master is not None:
+            logger.info(f"node {self.node_id} steps down; {master_id} is the master")
+            assert self._master_task is not None
+            self._master_task.cancel()
+            self.master = None
 
     async def run(self) -> None:
         from exo.api.app import create_app
 
+        self.router.start()
         self._tasks.append(asyncio.create_task(self.replica.run(), name="replica"))
-        await self.election.run_round()
+        self._tasks.append(asyncio.create_task(self.election.run(), name="election"))
         if self.worker is not None:
             self._tasks.append(asyncio.create_task(self.worker.run(), name="worker"))
         server = uvicorn.Server(
@@ -100,14 +114,17 @@ class Node:
     async def _place_on_start(self, model_id: str) -> None:
         from exo.api.routers.cluster import place_model
 
-        await self.replica.wait_for(lambda s: self.node_id in s.nodes, timeout=30)
+        await self.replica.wait_for(lambda s: self.node_id in s.nodes, timeout=60)
+        if any(i.model_id == model_id for i in self.replica.state.instances.values()):
+            return
         place_model(self, model_id)
         logger.info(f"placing {model_id}")
 
     async def close(self) -> None:
         if self.worker is not None:
             await self.worker.close()
-        for task in self._tasks:
-            task.cancel()
-        if self.master is not None:
-            self.master.close()
+        for task in [*self._tasks, self._master_task]:
+            if task is not None:
+                task.cancel()
+        self.router.close()
+        self.replica.close()

@@ -2,13 +2,12 @@
 workers' local events into indexed events, logs them durably, and broadcasts them."""
 
 import asyncio
-from pathlib import Path
+from collections.abc import Callable
 
 from loguru import logger
 
-from exo.master.event_log import EventLog
 from exo.routing.router import Router, Topic
-from exo.shared.apply import apply
+from exo.shared.replica import StateReplica
 from exo.shared.types.commands import (
     Command,
     CreateInstance,
@@ -31,6 +30,7 @@ from exo.shared.types.events import (
     InstanceCreated,
     InstanceDeleted,
     MasterElected,
+    NodeTimedOut,
     TaskCreated,
     TaskDeleted,
     TaskStatusUpdated,
@@ -44,32 +44,67 @@ from exo.shared.types.tasks import (
 )
 from exo.shared.types.text_generation import ChunkGenerated
 
+# How often the master looks for nodes that stopped sending heartbeats.
+NODE_CHECK_SECONDS = 1.0
+
 
 class Master:
-    def __init__(self, node_id: NodeId, router: Router, log_path: Path) -> None:
+    """Runs only on the elected node. Its State is this node's replica, which it writes
+    first (durably) and then broadcasts, so a successor continues the same history."""
+
+    def __init__(
+        self,
+        node_id: NodeId,
+        router: Router,
+        replica: StateReplica,
+        alive_nodes: Callable[[], set[NodeId]],
+        alive_sessions: Callable[[], set[str]],
+    ) -> None:
         self.node_id = node_id
         self.router = router
-        self.log = EventLog(log_path)
-        self.state = State()
-        self.history = list(self.log.events)
-        for indexed in self.history:
-            self.state = apply(self.state, indexed)
+        self.replica = replica
+        self.alive_nodes = alive_nodes
+        self.alive_sessions = alive_sessions
         self._commands = router.subscribe(Topic.COMMANDS)
         self._local_events = router.subscribe(Topic.LOCAL_EVENTS)
 
-    async def run(self) -> None:
-        self._take_office()
-        await asyncio.gather(self._consume_commands(), self._consume_local_events())
+    @property
+    def state(self) -> State:
+        return self.replica.state
 
-    def close(self) -> None:
-        self.log.close()
+    async def run(self) -> None:
+        try:
+            self._take_office()
+            await asyncio.gather(self._consume_commands(), self._consume_local_events(), self._time_out_nodes())
+        finally:
+            self.router.unsubscribe(Topic.COMMANDS, self._commands)
+            self.router.unsubscribe(Topic.LOCAL_EVENTS, self._local_events)
 
     def _take_office(self) -> None:
-        """Claim the log, and fail tasks a previous master left behind: nobody is
-        waiting on their streams any more."""
         self.emit(MasterElected(node_id=self.node_id))
+        self._drop_orphaned_tasks()
+
+    def _drop_orphaned_tasks(self) -> None:
+        """Tasks whose client stream is gone: asked through a node process that left
+        or restarted. Deleting them also stops their generation."""
+        alive = self.alive_sessions()
         for task in list(self.state.tasks.values()):
-            self.emit(TaskDeleted(task_id=task.task_id))
+            if task.origin_session not in alive:
+                self.emit(TaskDeleted(task_id=task.task_id))
+
+    async def _time_out_nodes(self) -> None:
+        while True:
+            await asyncio.sleep(NODE_CHECK_SECONDS)
+            alive = self.alive_nodes()
+            for node_id in [n for n in self.state.nodes if n not in alive]:
+                self.node_left(node_id)
+            self._drop_orphaned_tasks()
+
+    def node_left(self, node_id: NodeId) -> None:
+        for instance in list(self.state.instances.values()):
+            if node_id in instance.shard_assignments.node_to_runner:
+                self._delete_instance(instance.instance_id, f"node {node_id} left the cluster")
+        self.emit(NodeTimedOut(node_id=node_id))
 
     async def _consume_commands(self) -> None:
         while True:
@@ -85,9 +120,7 @@ class Master:
 
     def emit(self, event: Event) -> None:
         indexed = IndexedEvent(idx=self.state.last_event_applied_idx + 1, event=event)
-        self.state = apply(self.state, indexed)
-        self.log.append(indexed)
-        self.history.append(indexed)
+        self.replica.append(indexed)
         self.router.publish(Topic.GLOBAL_EVENTS, indexed)
 
     def handle_command(self, command: Command) -> None:
@@ -100,7 +133,7 @@ class Master:
             case TextGeneration(command_id=command_id, params=params):
                 self._start_text_generation(command_id, params.model, command)
             case RequestEventLog(since_idx=since_idx):
-                for indexed in self.history[since_idx:]:
+                for indexed in self.replica.history[since_idx:]:
                     self.router.publish(Topic.GLOBAL_EVENTS, indexed)
             case TaskFinished(finished_command_id=finished_command_id):
                 for task in list(self.state.tasks.values()):
@@ -126,6 +159,7 @@ class Master:
             task_id=TaskId(new_id()),
             command_id=command_id,
             instance_id=instance_id,
+            origin_session=command.origin_session,
             params=command.params,
         )
         self.emit(TaskCreated(task=task))

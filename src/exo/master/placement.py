@@ -1,5 +1,14 @@
-"""Where an instance can go: a pure function of State and a model card."""
+"""Where an instance can go: a pure function of State and a model card.
 
+A candidate is one node, or several nodes that form a ring in the topology (each node
+reaches the next and the next reaches it back, last to first included), because the MLX
+ring backend talks to both neighbours. A candidate fits when every node has room for its
+share of the weights, its share of the KV cache for the whole context, and a fixed
+runtime overhead. Among fitting candidates: fewer nodes first, then faster links, then
+more free memory.
+"""
+
+from collections.abc import Iterable, Iterator
 from itertools import combinations
 
 from exo.shared.models.model_cards import ModelCard
@@ -23,9 +32,23 @@ from exo.shared.types.shards import (
     TensorShardMetadata,
 )
 from exo.shared.types.state import State
+from exo.shared.types.topology import Connection, Topology
 
-# Room left for activations, the runtime and the OS beside the weights.
-MEMORY_OVERHEAD = 1.1
+GiB = 2**30
+# Room for the MLX runtime, activations and the Python process beside weights and cache.
+RUNTIME_OVERHEAD_BYTES = 1 * GiB
+KV_BYTES_PER_ELEMENT = 2  # bf16 keys and values
+DEFAULT_HEAD_DIM = 128
+# Used when a card does not say how long its context is.
+DEFAULT_CONTEXT_LENGTH = 4096
+# Rings are searched by brute force over node orders; beyond this many nodes only the
+# ones with the most free memory are considered.
+MAX_PLACEMENT_NODES = 8
+RING_BASE_PORT = 52600
+# How many rejection reasons a PlacementError quotes.
+MAX_REASONS_IN_ERROR = 8
+
+Links = dict[tuple[NodeId, NodeId], Connection]
 
 
 class PlacementError(ValueError):
@@ -35,84 +58,72 @@ class PlacementError(ValueError):
 class PlacementPreview(FrozenModel):
     model_id: ModelId
     sharding: Sharding
+    # In rank order when the nodes form a ring.
     node_ids: list[NodeId]
     memory_needed_bytes: dict[NodeId, int]
+    memory_available_bytes: dict[NodeId, int] = {}
+    context_length: int | None = None
     instance: Instance | None = None
     error: str | None = None
 
 
 def place_instance(
-    state: State, card: ModelCard, sharding: Sharding = Sharding.Pipeline, min_nodes: int = 1
+    state: State,
+    card: ModelCard,
+    sharding: Sharding = Sharding.Pipeline,
+    min_nodes: int = 1,
+    context_length: int | None = None,
 ) -> Instance:
-    previews = instance_previews(state, card, sharding, min_nodes)
-    placeable = [p for p in previews if p.instance is not None]
-    if placeable:
-        # Fewest nodes first: fewer hops, less to coordinate.
-        return min(placeable, key=lambda p: len(p.node_ids)).instance  # type: ignore[return-value]
-    if not previews:
+    """The preferred instance for `card`, or a PlacementError saying why there is none."""
+    if len(state.nodes) < min_nodes:
         raise PlacementError(
             f"cannot place {card.model_id}: the cluster has {len(state.nodes)} worker node(s), "
             f"at least {min_nodes} needed"
         )
-    raise PlacementError("; ".join(p.error or "" for p in previews))
+    if min_nodes > MAX_PLACEMENT_NODES:
+        raise PlacementError(f"placement considers at most {MAX_PLACEMENT_NODES} nodes, {min_nodes} requested")
+    previews = instance_previews(state, card, sharding, min_nodes, context_length)
+    for preview in previews:
+        if preview.instance is not None:
+            return preview.instance
+    # The candidates with the most free memory are the ones closest to fitting.
+    closest = sorted(previews, key=lambda p: -sum(p.memory_available_bytes.values()))
+    reasons = [f"[{', '.join(p.node_ids)}] {p.error}" for p in closest[:MAX_REASONS_IN_ERROR]]
+    if len(previews) > MAX_REASONS_IN_ERROR:
+        reasons.append(f"and {len(previews) - MAX_REASONS_IN_ERROR} more option(s)")
+    raise PlacementError(f"cannot place {card.model_id}: " + "; ".join(reasons))
 
 
-def instance_previews(state: State, card: ModelCard, sharding: Sharding, min_nodes: int = 1) -> list[PlacementPreview]:
-    node_ids = sorted(state.nodes)
-    previews = []
+def instance_previews(
+    state: State,
+    card: ModelCard,
+    sharding: Sharding | None = None,
+    min_nodes: int = 1,
+    context_length: int | None = None,
+) -> list[PlacementPreview]:
+    """Every option considered: the feasible ones first, most preferred first, each with
+    an instance; then the rejected ones, each with an error. `sharding=None` considers
+    both pipeline and tensor. Empty when the cluster has fewer than `min_nodes` worker
+    nodes."""
+    context = _context_length(card, context_length)
+    shardings = [sharding] if sharding is not None else list(Sharding)
+    node_ids = _worker_nodes(state)
+    links = _links(state.topology)
+    previews: list[tuple[tuple, PlacementPreview]] = []
     for size in range(max(min_nodes, 1), len(node_ids) + 1):
         for group in combinations(node_ids, size):
-            previews.append(_preview(state, card, sharding, list(group)))
-    return previews
+            ring, no_ring_reason = _best_ring(links, list(group))
+            for option in shardings:
+                preview = _preview(state, links, card, option, ring, no_ring_reason, context)
+                previews.append((_preference(links, preview, option), preview))
+    return [preview for _, preview in sorted(previews, key=lambda item: item[0])]
 
 
-def _preview(state: State, card: ModelCard, sharding: Sharding, node_ids: list[NodeId]) -> PlacementPreview:
-    n = len(node_ids)
-    available = {node_id: state.nodes[node_id].memory.available_bytes for node_id in node_ids}
-    if sharding == Sharding.Tensor:
-        layer_ranges = [(0, card.n_layers)] * n
-        needed = {node_id: int(card.storage_size.in_bytes * MEMORY_OVERHEAD / n) for node_id in node_ids}
-    else:
-        layer_ranges = split_layers(card.n_layers, [available[node_id] for node_id in node_ids])
-        needed = {
-            node_id: int(card.storage_size.in_bytes * MEMORY_OVERHEAD * (end - start) / card.n_layers)
-            for node_id, (start, end) in zip(node_ids, layer_ranges, strict=True)
-        }
-    preview = PlacementPreview(
-        model_id=ModelId(card.model_id), sharding=sharding, node_ids=node_ids, memory_needed_bytes=needed
-    )
-    error = _rejection_reason(card, sharding, node_ids, needed, available)
-    if error is not None:
-        return preview.model_copy(update={"error": error})
-    return preview.model_copy(update={"instance": _build_instance(card, sharding, node_ids, layer_ranges)})
-
-
-def _rejection_reason(
-    card: ModelCard,
-    sharding: Sharding,
-    node_ids: list[NodeId],
-    needed: dict[NodeId, int],
-    available: dict[NodeId, int],
-) -> str | None:
-    n = len(node_ids)
-    if sharding == Sharding.Tensor and n > 1:
-        if not card.supports_tensor:
-            return f"{card.model_id} does not support tensor parallelism"
-        kv_heads = card.num_key_value_heads or 0
-        if card.hidden_size % n or kv_heads % n:
-            return (
-                f"tensor parallel over {n} nodes needs hidden_size ({card.hidden_size}) and "
-                f"num_key_value_heads ({kv_heads}) divisible by {n}"
-            )
-    if sharding == Sharding.Pipeline and n > card.n_layers:
-        return f"{card.model_id} has {card.n_layers} layers, fewer than {n} nodes"
-    short = [node_id for node_id in node_ids if needed[node_id] > available[node_id]]
-    if short:
-        return "; ".join(
-            f"node {node_id} has {available[node_id] / 2**30:.2f} GiB free, needs {needed[node_id] / 2**30:.2f} GiB"
-            for node_id in short
-        )
-    return None
+def kv_cache_bytes(card: ModelCard, context_length: int) -> int:
+    """Keys and values of every layer for `context_length` tokens, in bf16."""
+    head_dim = _head_dim(card)
+    kv_heads = card.num_key_value_heads or card.hidden_size // head_dim
+    return 2 * card.n_layers * kv_heads * head_dim * context_length * KV_BYTES_PER_ELEMENT
 
 
 def split_layers(n_layers: int, weights: list[int]) -> list[tuple[int, int]]:
@@ -126,8 +137,259 @@ def split_layers(n_layers: int, weights: list[int]) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:], strict=False))
 
 
+# --- candidates ------------------------------------------------------------------------
+
+
+def _worker_nodes(state: State) -> list[NodeId]:
+    """Nodes that run a worker, capped at the ones with the most free memory."""
+    by_memory = sorted(state.nodes, key=lambda n: (-state.nodes[n].memory.available_bytes, n))
+    return sorted(by_memory[:MAX_PLACEMENT_NODES])
+
+
+def _links(topology: Topology) -> Links:
+    return {(c.source, c.sink): c for c in topology.connections}
+
+
+def _best_ring(links: Links, group: list[NodeId]) -> tuple[list[NodeId], str | None]:
+    """The fastest ring order through `group`, or the group with a reason there is none."""
+    if len(group) == 1:
+        return group, None
+    best = min(_rings(links, group), default=None)
+    if best is None:
+        return group, _no_ring_reason(links, group)
+    return best[1], None
+
+
+def _rings(links: Links, group: list[NodeId]) -> Iterator[tuple[tuple[float, float], list[NodeId]]]:
+    """Every ring through all of `group` over links both ways, with its _link_key; each
+    starts at group[0] and runs one way only (a ring and its reverse share their links)."""
+    pair_key = {
+        (a, b): _link_key(links, [a, b]) for a in group for b in group if a != b and (a, b) in links and (b, a) in links
+    }
+    two_way = {a: [b for b in group if (a, b) in pair_key] for a in group}
+
+    def extend(path: list[NodeId], key: tuple[float, float]) -> Iterator[tuple[tuple[float, float], list[NodeId]]]:
+        if len(path) == len(group):
+            closing = (path[-1], path[0])
+            if closing in pair_key and (len(path) < 3 or path[1] < path[-1]):
+                yield _worse(key, pair_key[closing]), path
+            return
+        for following in two_way[path[-1]]:
+            if following not in path:
+                yield from extend([*path, following], _worse(key, pair_key[(path[-1], following)]))
+
+    return extend([group[0]], (float("-inf"), 0.0))
+
+
+def _worse(key: tuple[float, float], other: tuple[float, float]) -> tuple[float, float]:
+    return (max(key[0], other[0]), max(key[1], other[1]))
+
+
+def _ring_edges(ring: list[NodeId]) -> list[tuple[NodeId, NodeId]]:
+    pairs = [(ring[i - 1], ring[i]) for i in range(len(ring))] if len(ring) > 1 else []
+    return [*pairs, *((b, a) for a, b in pairs)]
+
+
+def _no_ring_reason(links: Links, group: list[NodeId]) -> str:
+    gaps = []
+    for a, b in combinations(group, 2):
+        there, back = (a, b) in links, (b, a) in links
+        if there and not back:
+            gaps.append(f"only {a} -> {b}")
+        elif back and not there:
+            gaps.append(f"only {b} -> {a}")
+        elif not there:
+            gaps.append(f"no link between {a} and {b}")
+    return f"no cycle through {', '.join(group)} with links both ways ({'; '.join(gaps)})"
+
+
+def _link_key(links: Links, ring: list[NodeId]) -> tuple[float, float]:
+    """Sorts faster rings first: higher slowest bandwidth, then lower worst latency; an
+    unmeasured link counts as the slowest possible."""
+    bandwidth, latency = float("inf"), 0.0
+    for edge in _ring_edges(ring):
+        connection = links.get(edge)
+        measured_bandwidth = connection.bandwidth_mbps if connection else None
+        measured_latency = connection.latency_ms if connection else None
+        bandwidth = min(bandwidth, float("-inf") if measured_bandwidth is None else measured_bandwidth)
+        latency = max(latency, float("inf") if measured_latency is None else measured_latency)
+    return (-bandwidth, latency)
+
+
+def _preference(links: Links, preview: PlacementPreview, sharding: Sharding) -> tuple:
+    return (
+        preview.instance is None,
+        len(preview.node_ids),
+        _link_key(links, preview.node_ids),
+        -sum(preview.memory_available_bytes.values()),
+        list(Sharding).index(sharding),
+        preview.node_ids,
+    )
+
+
+# --- one candidate -------------------------------------------------------------------
+
+
+def _preview(
+    state: State,
+    links: Links,
+    card: ModelCard,
+    sharding: Sharding,
+    ring: list[NodeId],
+    no_ring_reason: str | None,
+    context: int,
+) -> PlacementPreview:
+    n = len(ring)
+    available = {node_id: state.nodes[node_id].memory.available_bytes for node_id in ring}
+    layer_ranges = _layer_ranges(card, sharding, [available[node_id] for node_id in ring])
+    needed = {
+        node_id: _bytes_needed(card, context, end - start, n if sharding == Sharding.Tensor else 1)
+        for node_id, (start, end) in zip(ring, layer_ranges, strict=True)
+    }
+    reasons = [
+        reason
+        for reason in (
+            no_ring_reason,
+            _structure_reason(card, sharding, n),
+            _memory_reason(card, context, ring, layer_ranges, needed, available, sharding),
+        )
+        if reason is not None
+    ]
+    preview = PlacementPreview(
+        model_id=ModelId(card.model_id),
+        sharding=sharding,
+        node_ids=ring,
+        memory_needed_bytes=needed,
+        memory_available_bytes=available,
+        context_length=context,
+    )
+    if reasons:
+        return preview.model_copy(update={"error": "; ".join(reasons)})
+    instance = _build_instance(card, sharding, ring, layer_ranges, _ring_hosts(state, links, ring))
+    return preview.model_copy(update={"instance": instance})
+
+
+def _layer_ranges(card: ModelCard, sharding: Sharding, available: list[int]) -> list[tuple[int, int]]:
+    if sharding == Sharding.Tensor:
+        return [(0, card.n_layers)] * len(available)
+    if len(available) > card.n_layers:
+        # Cannot be placed; one layer each still shows roughly what a node would hold.
+        return [(0, 1)] * len(available)
+    # What is left after the fixed overhead is what the layers can use.
+    return split_layers(card.n_layers, [max(free - RUNTIME_OVERHEAD_BYTES, 0) for free in available])
+
+
+def _bytes_needed(card: ModelCard, context: int, layers: int, tensor_ways: int) -> int:
+    share = (card.storage_size.in_bytes + kv_cache_bytes(card, context)) * layers // card.n_layers
+    return -(-share // tensor_ways) + RUNTIME_OVERHEAD_BYTES
+
+
+def _structure_reason(card: ModelCard, sharding: Sharding, n: int) -> str | None:
+    if sharding == Sharding.Pipeline and n > card.n_layers:
+        return f"{card.model_id} has {card.n_layers} layers, too few for {n} pipeline ranks"
+    if sharding != Sharding.Tensor or n == 1:
+        return None
+    if not card.supports_tensor:
+        return f"{card.model_id} does not support tensor parallelism"
+    if card.hidden_size % n:
+        return f"tensor parallel over {n} nodes needs hidden_size ({card.hidden_size}) divisible by {n}"
+    # DeepSeek V4 is MQA (one KV head), but its strategy splits the query and output
+    # projections by head and shards the MoE experts instead of splitting KV heads.
+    is_deepseek_v4 = card.base_model.startswith("DeepSeek V4")
+    kv_heads = card.num_key_value_heads
+    if not is_deepseek_v4 and kv_heads is not None and kv_heads % n:
+        return f"tensor parallel over {n} nodes needs num_key_value_heads ({kv_heads}) divisible by {n}"
+    return None
+
+
+def _memory_reason(
+    card: ModelCard,
+    context: int,
+    ring: list[NodeId],
+    layer_ranges: list[tuple[int, int]],
+    needed: dict[NodeId, int],
+    available: dict[NodeId, int],
+    sharding: Sharding,
+) -> str | None:
+    ways = len(ring) if sharding == Sharding.Tensor else 1
+    short = []
+    for node_id, (start, end) in zip(ring, layer_ranges, strict=True):
+        if needed[node_id] <= available[node_id]:
+            continue
+        fraction = (end - start) / card.n_layers / ways
+        weights = card.storage_size.in_bytes * fraction
+        kv = kv_cache_bytes(card, context) * fraction
+        short.append(
+            f"node {node_id} has {_gib(available[node_id])} free, needs {_gib(needed[node_id])} "
+            f"({_gib(weights)} weights + {_gib(kv)} KV cache for {context} tokens"
+            f" + {_gib(RUNTIME_OVERHEAD_BYTES)} runtime)"
+        )
+    return "; ".join(short) or None
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / GiB:.2f} GiB"
+
+
+def _head_dim(card: ModelCard) -> int:
+    # Cards do not record head_dim: derive it from the attention head count when a card
+    # has one, else assume 128, the head size of most current models.
+    attention_heads = getattr(card, "num_attention_heads", None)
+    return card.hidden_size // attention_heads if attention_heads else DEFAULT_HEAD_DIM
+
+
+def _context_length(card: ModelCard, requested: int | None) -> int:
+    maximum = card.context_length or DEFAULT_CONTEXT_LENGTH
+    if requested is None:
+        return maximum
+    if requested < 1:
+        raise PlacementError(f"context_length must be at least 1, got {requested}")
+    return min(requested, maximum)
+
+
+# --- the instance --------------------------------------------------------------------
+
+
+def _ring_hosts(state: State, links: Links, ring: list[NodeId]) -> list[str]:
+    """One "ip:port" per rank: the address rank r-1 reached rank r at, and a port no
+    other rank of this or any existing instance uses, so ranks sharing a host never
+    collide."""
+    if len(ring) == 1:
+        return []
+    ports = _free_ports(_used_ports(state.instances.values()), len(ring))
+    hosts = []
+    for rank, port in enumerate(ports):
+        ip = links[(ring[rank - 1], ring[rank])].sink_ip
+        hosts.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+    return hosts
+
+
+def _used_ports(instances: Iterable[Instance]) -> set[int]:
+    used = set()
+    for instance in instances:
+        for host in instance.hosts:
+            port = host.rsplit(":", 1)[-1]
+            if port.isdigit():
+                used.add(int(port))
+    return used
+
+
+def _free_ports(used: set[int], count: int) -> list[int]:
+    ports: list[int] = []
+    port = RING_BASE_PORT
+    while len(ports) < count:
+        if port not in used:
+            ports.append(port)
+        port += 1
+    return ports
+
+
 def _build_instance(
-    card: ModelCard, sharding: Sharding, node_ids: list[NodeId], layer_ranges: list[tuple[int, int]]
+    card: ModelCard,
+    sharding: Sharding,
+    node_ids: list[NodeId],
+    layer_ranges: list[tuple[int, int]],
+    hosts: list[str],
 ) -> Instance:
     shard_type = TensorShardMetadata if sharding == Sharding.Tensor else PipelineShardMetadata
     runner_to_shard: dict[RunnerId, ShardMetadata] = {}
@@ -150,4 +412,5 @@ def _build_instance(
         shard_assignments=ShardAssignments(
             model_id=ModelId(card.model_id), runner_to_shard=runner_to_shard, node_to_runner=node_to_runner
         ),
+        hosts=hosts,
     )

@@ -1,10 +1,20 @@
-"""Topic-based publish/subscribe between the parts of a node (and, from the cluster
-work on, between nodes over zenoh). Subscribers get every message published after they
-subscribed, in order."""
+"""Topic-based publish/subscribe between the parts of a node and, through a transport,
+between the nodes of a cluster. Local subscribers get every message published after
+they subscribed, in order; messages from other nodes arrive as the transport delivers
+them."""
 
 import asyncio
+import json
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
+
+from loguru import logger
+from pydantic import TypeAdapter, ValidationError
+
+from exo.shared.types.commands import Command
+from exo.shared.types.common import NodeId
+from exo.shared.types.events import Event, IndexedEvent
+from exo.shared.types.text_generation import ChunkGenerated
 
 
 class Topic(StrEnum):
@@ -12,12 +22,51 @@ class Topic(StrEnum):
     LOCAL_EVENTS = "local_events"  # workers -> master, not yet ordered
     GLOBAL_EVENTS = "global_events"  # master -> every node, indexed
     CHUNKS = "chunks"  # runner rank 0 -> the API that asked
-    ELECTION = "election"
+    ELECTION = "election"  # heartbeats and candidacies
+
+
+def _election_adapter() -> TypeAdapter[Any]:
+    from exo.routing.election import Heartbeat
+
+    return TypeAdapter(Heartbeat)
+
+
+_ADAPTERS: dict[Topic, TypeAdapter[Any]] = {
+    Topic.COMMANDS: TypeAdapter(Command),
+    Topic.LOCAL_EVENTS: TypeAdapter(Event),
+    Topic.GLOBAL_EVENTS: TypeAdapter(IndexedEvent),
+    Topic.CHUNKS: TypeAdapter(ChunkGenerated),
+}
+
+
+def adapter(topic: Topic) -> TypeAdapter[Any]:
+    if topic not in _ADAPTERS:
+        _ADAPTERS[topic] = _election_adapter()
+    return _ADAPTERS[topic]
+
+
+class Transport(Protocol):
+    """Carries encoded messages to the other nodes of the cluster."""
+
+    def start(self, on_message: "callable[[Topic, bytes], None]") -> None: ...
+
+    def send(self, topic: Topic, payload: bytes) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Router:
-    def __init__(self) -> None:
+    def __init__(self, node_id: NodeId, transport: Transport | None = None) -> None:
+        self.node_id = node_id
+        self.transport = transport
         self._subscribers: dict[Topic, list[asyncio.Queue[Any]]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        """Begin receiving from other nodes; call from the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        if self.transport is not None:
+            self.transport.start(self._on_remote)
 
     def subscribe(self, topic: Topic) -> asyncio.Queue[Any]:
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -30,5 +79,28 @@ class Router:
             subscribers.remove(queue)
 
     def publish(self, topic: Topic, message: Any) -> None:
+        self._deliver(topic, message)
+        if self.transport is not None:
+            body = adapter(topic).dump_json(message, by_alias=True)
+            self.transport.send(topic, b'{"origin":' + json.dumps(self.node_id).encode() + b',"body":' + body + b"}")
+
+    def _deliver(self, topic: Topic, message: Any) -> None:
         for queue in self._subscribers.get(topic, []):
             queue.put_nowait(message)
+
+    def _on_remote(self, topic: Topic, payload: bytes) -> None:
+        """Called on a transport thread."""
+        try:
+            envelope = json.loads(payload)
+            if envelope["origin"] == self.node_id:
+                return
+            message = adapter(topic).validate_python(envelope["body"])
+        except (ValueError, KeyError, ValidationError) as error:
+            logger.warning(f"dropping unreadable {topic} message: {error}")
+            return
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver, topic, message)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()

@@ -16,6 +16,8 @@ from exo.shared.types.events import (
     TaskCreated,
     TaskDeleted,
     TaskStatusUpdated,
+    TopologyEdgeDeleted,
+    TopologyEdgeUpdated,
 )
 from exo.shared.types.state import State
 
@@ -46,6 +48,7 @@ def apply_event(state: State, event: Event) -> State:
                 update={
                     "nodes": _without(state.nodes, node_id),
                     "downloads": _without(state.downloads, node_id),
+                    "topology": state.topology.without_node(node_id),
                 }
             )
         case InstanceCreated(instance=instance):
@@ -77,6 +80,10 @@ def apply_event(state: State, event: Event) -> State:
         case NodeDownloadProgress(node_id=node_id, model_id=model_id, progress=progress):
             node_downloads = {**state.downloads.get(node_id, {}), model_id: progress}
             return state.model_copy(update={"downloads": {**state.downloads, node_id: node_downloads}})
+        case TopologyEdgeUpdated(connection=connection):
+            return state.model_copy(update={"topology": state.topology.with_connection(connection)})
+        case TopologyEdgeDeleted(source=source, sink=sink):
+            return state.model_copy(update={"topology": state.topology.without_edge(source, sink)})
 
 
 def _without(mapping: dict[K, V], key: K) -> dict[K, V]:

@@ -1,26 +1,33 @@
-"""This node's copy of State, kept by applying the master's indexed events in order."""
+"""This node's copy of State and of the event history that builds it. Every node keeps
+the history durably on disk, so any node elected master continues from it."""
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 from loguru import logger
 
 from exo.routing.router import Router, Topic
 from exo.shared.apply import apply
+from exo.shared.event_log import EventLog
 from exo.shared.types.commands import RequestEventLog
 from exo.shared.types.events import IndexedEvent
 from exo.shared.types.state import State
 
 
 class StateReplica:
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, log_path: Path) -> None:
         self.router = router
-        self.state = State()
+        self.log = EventLog(log_path)
         self.history: list[IndexedEvent] = []
+        self.state = State()
+        for indexed in self.log.events:
+            self.state = apply(self.state, indexed)
+            self.history.append(indexed)
         self._events = router.subscribe(Topic.GLOBAL_EVENTS)
         self._early: dict[int, IndexedEvent] = {}
-        self._gap_requested = False
-        self._changed = asyncio.Condition()
+        self._gap_requested_at = -1
+        self._changed = asyncio.Event()
         self._listeners: list[Callable[[State], None]] = []
 
     def on_change(self, listener: Callable[[State], None]) -> None:
@@ -28,32 +35,47 @@ class StateReplica:
 
     async def run(self) -> None:
         while True:
-            indexed: IndexedEvent = await self._events.get()
-            self._receive(indexed)
-            async with self._changed:
-                self._changed.notify_all()
-            for listener in self._listeners:
-                listener(self.state)
+            self.receive(await self._events.get())
 
-    def _receive(self, indexed: IndexedEvent) -> None:
+    def receive(self, indexed: IndexedEvent) -> None:
+        """Take an event from the master; events may arrive out of order or twice."""
         if indexed.idx <= self.state.last_event_applied_idx:
             return
         self._early[indexed.idx] = indexed
+        applied = False
         while (next_idx := self.state.last_event_applied_idx + 1) in self._early:
-            event = self._early.pop(next_idx)
-            self.state = apply(self.state, event)
-            self.history.append(event)
-        if self._early and not self._gap_requested:
+            self._accept(self._early.pop(next_idx))
+            applied = True
+        if self._early and self._gap_requested_at != self.state.last_event_applied_idx:
             since = self.state.last_event_applied_idx + 1
             logger.debug(f"missing events from {since}; asking the master")
-            self._gap_requested = True
+            self._gap_requested_at = self.state.last_event_applied_idx
             self.router.publish(Topic.COMMANDS, RequestEventLog(since_idx=since))
-        elif not self._early:
-            self._gap_requested = False
+        if applied:
+            self._notify()
+
+    def append(self, indexed: IndexedEvent) -> None:
+        """The master's own path: durable on disk before anyone else hears of it."""
+        self._accept(indexed)
+        self._notify()
+
+    def _accept(self, indexed: IndexedEvent) -> None:
+        self.state = apply(self.state, indexed)
+        self.log.append(indexed)
+        self.history.append(indexed)
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        for listener in self._listeners:
+            listener(self.state)
 
     async def wait_for(self, condition: Callable[[State], bool], timeout: float) -> State:
         """Wait until State satisfies condition; raises TimeoutError."""
         async with asyncio.timeout(timeout):
-            async with self._changed:
-                await self._changed.wait_for(lambda: condition(self.state))
+            while not condition(self.state):
+                await self._changed.wait()
         return self.state
+
+    def close(self) -> None:
+        self.log.close()

@@ -1,6 +1,7 @@
 """The runner subprocess: owns one engine and one model shard, and does what its
 supervisor says. Its own process, so a crash in native code cannot take the node down."""
 
+import signal
 import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -132,6 +133,10 @@ class Runner:
 
 def runner_main(conn: Connection, runner_id: RunnerId, instance: Instance, verbose: bool) -> None:
     """Entry point of the spawned process."""
+    # Ctrl-C and SIGTERM reach the whole process group; the supervisor shuts the runner
+    # down in order instead, and if the node dies outright the pipe closes and we exit.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logger.remove()
     logger.add(sys.stderr, level="DEBUG" if verbose else "INFO", format=f"runner {runner_id[:8]} | {{message}}")
     from exo.engine.mlx.engine import MlxEngine  # MLX is imported only in runners

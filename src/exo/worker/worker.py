@@ -58,7 +58,6 @@ class Worker:
         self.exited_at: dict[RunnerId, float] = {}
         self._wake = asyncio.Event()
         replica.on_change(lambda _state: self._wake.set())
-        self._last_reported_memory: int | None = None
 
     def emit(self, event: Event) -> None:
         self.router.publish(Topic.LOCAL_EVENTS, event)
@@ -74,13 +73,22 @@ class Worker:
         await asyncio.gather(self._report_node_info(), self._plan_loop())
 
     async def _report_node_info(self) -> None:
+        last_sent = 0.0
         while True:
-            info = gather_node_info(self.node_id, self.exo_home, self.api_port)
-            previous = self._last_reported_memory
-            if previous is None or abs(info.memory.available_bytes - previous) > MEMORY_REPORT_THRESHOLD_BYTES:
-                self._last_reported_memory = info.memory.available_bytes
-                self.emit(NodeGatheredInfo(info=info))
-            await asyncio.sleep(NODE_INFO_INTERVAL_SECONDS)
+            state = self.replica.state
+            known = state.nodes.get(self.node_id)
+            due = time.monotonic() - last_sent >= NODE_INFO_INTERVAL_SECONDS
+            # Report again when the cluster has forgotten this node (it timed out, or its
+            # first report went out before there was a master), or memory moved a lot.
+            if known is None or due:
+                info = gather_node_info(self.node_id, self.exo_home, self.api_port)
+                moved = known is not None and abs(
+                    info.memory.available_bytes - known.memory.available_bytes
+                ) > MEMORY_REPORT_THRESHOLD_BYTES
+                if known is None or moved:
+                    self.emit(NodeGatheredInfo(info=info))
+                last_sent = time.monotonic()
+            await asyncio.sleep(1.0)
 
     async def _plan_loop(self) -> None:
         while True:

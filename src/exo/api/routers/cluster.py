@@ -68,7 +68,7 @@ def place_model(
     try:
         instance = place_instance(node.replica.state, card, sharding, min_nodes)
     except PlacementError as error:
-        raise ApiError(400, f"cannot place {model_id}: {error}", code="placement_failed") from error
+        raise ApiError(400, str(error), code="placement_failed") from error
     command = CreateInstance(instance=instance)
     node.send_command(command)
     return command

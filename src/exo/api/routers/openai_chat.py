@@ -57,7 +57,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
             code="model_not_loaded",
             param="model",
         )
-    command = TextGeneration(params=to_task_params(body))
+    command = TextGeneration(params=to_task_params(body), origin_session=node.session_id)
     streams = request.app.state.chunk_streams
     queue = streams.open(command.command_id)
     node.send_command(command)

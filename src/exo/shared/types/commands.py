@@ -27,6 +27,8 @@ class DeleteInstance(CommandBase):
 class TextGeneration(CommandBase):
     kind: Literal["TextGeneration"] = "TextGeneration"
     params: TextGenerationTaskParams
+    # The node process whose API holds the client's stream (changes when a node restarts).
+    origin_session: str
 
 
 class TaskFinished(CommandBase):

@@ -17,6 +17,7 @@ from exo.shared.types.instances import Instance
 from exo.shared.types.nodes import NodeInfo
 from exo.shared.types.runners import RunnerStatus
 from exo.shared.types.tasks import TaskStatus, TextGenerationTask
+from exo.shared.types.topology import Connection
 
 
 class MasterElected(FrozenModel):
@@ -80,6 +81,19 @@ class NodeDownloadProgress(FrozenModel):
     progress: DownloadProgress
 
 
+class TopologyEdgeUpdated(FrozenModel):
+    """Inserts the edge connection.source -> connection.sink, or replaces it."""
+
+    kind: Literal["TopologyEdgeUpdated"] = "TopologyEdgeUpdated"
+    connection: Connection
+
+
+class TopologyEdgeDeleted(FrozenModel):
+    kind: Literal["TopologyEdgeDeleted"] = "TopologyEdgeDeleted"
+    source: NodeId
+    sink: NodeId
+
+
 Event = Annotated[
     MasterElected
     | NodeGatheredInfo
@@ -91,7 +105,9 @@ Event = Annotated[
     | TaskCreated
     | TaskStatusUpdated
     | TaskDeleted
-    | NodeDownloadProgress,
+    | NodeDownloadProgress
+    | TopologyEdgeUpdated
+    | TopologyEdgeDeleted,
     Field(discriminator="kind"),
 ]
 

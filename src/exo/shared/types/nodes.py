@@ -1,6 +1,7 @@
 """What a node tells the cluster about itself."""
 
 from exo.shared.types.common import FrozenModel, NodeId
+from exo.shared.types.topology import NetworkInterface
 
 
 class MemoryInfo(FrozenModel):
@@ -17,3 +18,4 @@ class NodeInfo(FrozenModel):
     memory: MemoryInfo
     disk_available_bytes: int
     api_port: int
+    interfaces: list[NetworkInterface] = []

@@ -13,6 +13,7 @@ from exo.shared.types.instances import Instance
 from exo.shared.types.nodes import NodeInfo
 from exo.shared.types.runners import RunnerStatus
 from exo.shared.types.tasks import TextGenerationTask
+from exo.shared.types.topology import Topology
 
 
 class State(FrozenModel):
@@ -23,3 +24,4 @@ class State(FrozenModel):
     runners: dict[RunnerId, RunnerStatus] = {}
     tasks: dict[TaskId, TextGenerationTask] = {}
     downloads: dict[NodeId, dict[ModelId, DownloadProgress]] = {}
+    topology: Topology = Topology()

@@ -22,6 +22,7 @@ class TextGenerationTask(FrozenModel):
     task_id: TaskId
     command_id: CommandId
     instance_id: InstanceId
+    origin_session: str
     params: TextGenerationTaskParams
     status: TaskStatus = TaskStatus.Pending
     error_message: str | None = None

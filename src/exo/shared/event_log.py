@@ -1,4 +1,4 @@
-"""The master's durable, append-only log of indexed events (one JSON line each)."""
+"""A durable, append-only log of indexed events (one JSON line each)."""
 
 import os
 from pathlib import Path
