@@ -67,7 +67,8 @@ class Node:
         self._tasks: list[asyncio.Task[None]] = []
 
     def cards(self) -> dict[str, ModelCard]:
-        return all_cards(self.config.exo_home)
+        """Built-in and local cards, and the custom ones the cluster was given."""
+        return {**all_cards(self.config.exo_home), **self.replica.state.custom_model_cards}
 
     def send_command(self, command: Command) -> None:
         self.election.commands_seen += 1

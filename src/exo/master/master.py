@@ -9,8 +9,10 @@ from loguru import logger
 from exo.routing.router import Router, Topic
 from exo.shared.replica import StateReplica
 from exo.shared.types.commands import (
+    AddCustomModelCard,
     Command,
     CreateInstance,
+    DeleteCustomModelCard,
     DeleteInstance,
     RequestEventLog,
     TaskFinished,
@@ -25,6 +27,8 @@ from exo.shared.types.common import (
     new_id,
 )
 from exo.shared.types.events import (
+    CustomModelCardAdded,
+    CustomModelCardDeleted,
     Event,
     IndexedEvent,
     InstanceCreated,
@@ -75,7 +79,7 @@ class Master:
     async def run(self) -> None:
         try:
             self._take_office()
-            await asyncio.gather(self._consume_commands(), self._consume_local_events(), self._time_out_nodes())
+            await asyncio.gather(self._consume_commands(), self._consume_local_events(), self._housekeeping())
         finally:
             self.router.unsubscribe(Topic.COMMANDS, self._commands)
             self.router.unsubscribe(Topic.LOCAL_EVENTS, self._local_events)
@@ -92,9 +96,13 @@ class Master:
             if task.origin_session not in alive:
                 self.emit(TaskDeleted(task_id=task.task_id))
 
-    async def _time_out_nodes(self) -> None:
+    async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(NODE_CHECK_SECONDS)
+            # Re-announce the head of the log, so a node that joined a quiet cluster
+            # notices it is behind and asks for the rest.
+            if self.replica.history:
+                self.router.publish(Topic.GLOBAL_EVENTS, self.replica.history[-1])
             alive = self.alive_nodes()
             for node_id in [n for n in self.state.nodes if n not in alive]:
                 self.node_left(node_id)
@@ -132,6 +140,11 @@ class Master:
                 self._delete_instance(instance_id, reason)
             case TextGeneration(command_id=command_id, params=params):
                 self._start_text_generation(command_id, params.model, command)
+            case AddCustomModelCard(card=card):
+                self.emit(CustomModelCardAdded(card=card))
+            case DeleteCustomModelCard(model_id=model_id):
+                if model_id in self.state.custom_model_cards:
+                    self.emit(CustomModelCardDeleted(model_id=model_id))
             case RequestEventLog(since_idx=since_idx):
                 for indexed in self.replica.history[since_idx:]:
                     self.router.publish(Topic.GLOBAL_EVENTS, indexed)

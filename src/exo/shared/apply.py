@@ -2,7 +2,10 @@
 
 from typing import TypeVar
 
+from exo.shared.types.common import ModelId
 from exo.shared.types.events import (
+    CustomModelCardAdded,
+    CustomModelCardDeleted,
     Event,
     IndexedEvent,
     InstanceCreated,
@@ -19,7 +22,7 @@ from exo.shared.types.events import (
     TopologyEdgeDeleted,
     TopologyEdgeUpdated,
 )
-from exo.shared.types.state import State
+from exo.shared.types.state import MAX_DELETION_REASONS, State
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -54,13 +57,25 @@ def apply_event(state: State, event: Event) -> State:
         case InstanceCreated(instance=instance):
             instances = {**state.instances, instance.instance_id: instance}
             return state.model_copy(update={"instances": instances})
-        case InstanceDeleted(instance_id=instance_id):
+        case InstanceDeleted(instance_id=instance_id, reason=reason):
             instance = state.instances.get(instance_id)
             runners = state.runners
             if instance is not None:
                 gone = instance.shard_assignments.runner_to_shard.keys()
                 runners = {r: s for r, s in runners.items() if r not in gone}
-            return state.model_copy(update={"instances": _without(state.instances, instance_id), "runners": runners})
+            deletions = list({**_without(state.instance_deletions, instance_id), instance_id: reason}.items())
+            return state.model_copy(
+                update={
+                    "instances": _without(state.instances, instance_id),
+                    "runners": runners,
+                    "instance_deletions": dict(deletions[-MAX_DELETION_REASONS:]),
+                }
+            )
+        case CustomModelCardAdded(card=card):
+            cards = {**state.custom_model_cards, ModelId(card.model_id): card}
+            return state.model_copy(update={"custom_model_cards": cards})
+        case CustomModelCardDeleted(model_id=model_id):
+            return state.model_copy(update={"custom_model_cards": _without(state.custom_model_cards, model_id)})
         case RunnerStatusUpdated(runner_id=runner_id, status=status):
             if not any(runner_id in i.shard_assignments.runner_to_shard for i in state.instances.values()):
                 return state  # a late report from a runner of a deleted instance

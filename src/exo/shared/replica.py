@@ -2,6 +2,7 @@
 the history durably on disk, so any node elected master continues from it."""
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from exo.shared.types.events import IndexedEvent
 from exo.shared.types.state import State
 
 
+GAP_RETRY_SECONDS = 1.0
+
+
 class StateReplica:
     def __init__(self, router: Router, log_path: Path) -> None:
         self.router = router
@@ -26,7 +30,8 @@ class StateReplica:
             self.history.append(indexed)
         self._events = router.subscribe(Topic.GLOBAL_EVENTS)
         self._early: dict[int, IndexedEvent] = {}
-        self._gap_requested_at = -1
+        self._gap_requested_at = -2
+        self._gap_requested_time = 0.0
         self._changed = asyncio.Event()
         self._listeners: list[Callable[[State], None]] = []
 
@@ -35,7 +40,12 @@ class StateReplica:
 
     async def run(self) -> None:
         while True:
-            self.receive(await self._events.get())
+            try:
+                indexed = await asyncio.wait_for(self._events.get(), timeout=GAP_RETRY_SECONDS)
+            except TimeoutError:
+                self._request_missing()
+                continue
+            self.receive(indexed)
 
     def receive(self, indexed: IndexedEvent) -> None:
         """Take an event from the master; events may arrive out of order or twice."""
@@ -46,13 +56,22 @@ class StateReplica:
         while (next_idx := self.state.last_event_applied_idx + 1) in self._early:
             self._accept(self._early.pop(next_idx))
             applied = True
-        if self._early and self._gap_requested_at != self.state.last_event_applied_idx:
-            since = self.state.last_event_applied_idx + 1
-            logger.debug(f"missing events from {since}; asking the master")
-            self._gap_requested_at = self.state.last_event_applied_idx
-            self.router.publish(Topic.COMMANDS, RequestEventLog(since_idx=since))
+        self._request_missing()
         if applied:
             self._notify()
+
+    def _request_missing(self) -> None:
+        """Ask the master to re-send what is missing; again if the answer did not come."""
+        if not self._early:
+            return
+        now = time.monotonic()
+        if self._gap_requested_at == self.state.last_event_applied_idx and now - self._gap_requested_time < GAP_RETRY_SECONDS:
+            return
+        since = self.state.last_event_applied_idx + 1
+        logger.debug(f"missing events from {since}; asking the master")
+        self._gap_requested_at = self.state.last_event_applied_idx
+        self._gap_requested_time = now
+        self.router.publish(Topic.COMMANDS, RequestEventLog(since_idx=since))
 
     def append(self, indexed: IndexedEvent) -> None:
         """The master's own path: durable on disk before anyone else hears of it."""

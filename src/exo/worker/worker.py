@@ -6,6 +6,7 @@ import socket
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 from loguru import logger
 
@@ -15,9 +16,16 @@ from exo.shared.replica import StateReplica
 from exo.shared.types.commands import DeleteInstance
 from exo.shared.types.common import NodeId, RunnerId, TaskId
 from exo.shared.types.downloads import DownloadCompleted, DownloadFailed
-from exo.shared.types.events import Event, NodeDownloadProgress, NodeGatheredInfo
+from exo.shared.types.events import (
+    Event,
+    NodeDownloadProgress,
+    NodeGatheredInfo,
+    TopologyEdgeDeleted,
+    TopologyEdgeUpdated,
+)
 from exo.shared.types.nodes import MemoryInfo, NodeInfo
 from exo.shared.types.text_generation import ChunkGenerated
+from exo.worker.link_probes import PROBE_TIMEOUT_SECONDS, local_interfaces, probe_peer, worth_reporting
 from exo.worker.planner import (
     CancelTask,
     CreateRunner,
@@ -39,6 +47,7 @@ from exo.worker.runner_protocol import (
 from exo.worker.supervisor import RunnerSupervisor
 
 NODE_INFO_INTERVAL_SECONDS = 10.0
+LINK_PROBE_INTERVAL_SECONDS = 3.0
 # Report memory again only when it moved this much, to keep the event log small.
 MEMORY_REPORT_THRESHOLD_BYTES = 512 * 2**20
 
@@ -70,7 +79,23 @@ class Worker:
         self.router.publish(Topic.CHUNKS, chunk)
 
     async def run(self) -> None:
-        await asyncio.gather(self._report_node_info(), self._plan_loop())
+        await asyncio.gather(self._report_node_info(), self._plan_loop(), self._probe_links())
+
+    async def _probe_links(self) -> None:
+        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_SECONDS) as client:
+            while True:
+                await asyncio.sleep(LINK_PROBE_INTERVAL_SECONDS)
+                state = self.replica.state
+                own_ips = {i.ip for i in local_interfaces()}
+                for peer in list(state.nodes.values()):
+                    if peer.node_id == self.node_id:
+                        continue
+                    known = state.topology.connection(self.node_id, peer.node_id)
+                    connection = await probe_peer(client, self.node_id, peer, own_ips)
+                    if connection is None and known is not None:
+                        self.emit(TopologyEdgeDeleted(source=self.node_id, sink=peer.node_id))
+                    elif connection is not None and worth_reporting(known, connection):
+                        self.emit(TopologyEdgeUpdated(connection=connection))
 
     async def _report_node_info(self) -> None:
         last_sent = 0.0
@@ -207,4 +232,5 @@ def gather_node_info(node_id: NodeId, exo_home: Path, api_port: int) -> NodeInfo
         memory=MemoryInfo(total_bytes=memory.total, available_bytes=memory.available),
         disk_available_bytes=psutil.disk_usage(str(exo_home)).free,
         api_port=api_port,
+        interfaces=local_interfaces(),
     )

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from exo.api.errors import ApiError
@@ -17,8 +17,8 @@ from exo.master.placement import (
     place_instance,
 )
 from exo.shared.models.model_cards import ModelCard
-from exo.shared.types.commands import CreateInstance, DeleteInstance
-from exo.shared.types.common import InstanceId
+from exo.shared.types.commands import AddCustomModelCard, CreateInstance, DeleteCustomModelCard, DeleteInstance
+from exo.shared.types.common import InstanceId, ModelId
 from exo.shared.types.instances import Instance, InstanceMeta, Sharding
 from exo.shared.types.runners import SERVING_STATUSES, RunnerFailed
 from exo.shared.types.state import State
@@ -92,6 +92,41 @@ def get_events(request: Request, since: int = Query(0, ge=0)) -> list[dict[str, 
 @router.get("/models")
 def get_models(request: Request) -> list[ModelCard]:
     return sorted(node_of(request).cards().values(), key=lambda card: card.model_id)
+
+
+class CommandResponse(BaseModel):
+    message: str
+    command_id: str
+
+
+@router.post("/models")
+def add_custom_model_card(request: Request, card: ModelCard) -> CommandResponse:
+    """Teach the cluster a model it has no card for; the card is replicated with State."""
+    node = node_of(request)
+    if card.model_id in node.cards() and card.model_id not in node.replica.state.custom_model_cards:
+        raise ApiError(409, f"model '{card.model_id}' already has a built-in or local card", code="model_exists")
+    command = AddCustomModelCard(card=card)
+    node.send_command(command)
+    return CommandResponse(message=f"adding card {card.model_id}", command_id=command.command_id)
+
+
+@router.delete("/models/{model_id:path}")
+def delete_custom_model_card(request: Request, model_id: str) -> CommandResponse:
+    node = node_of(request)
+    if model_id not in node.replica.state.custom_model_cards:
+        raise ApiError(404, f"'{model_id}' is not a custom model card", code="model_not_found")
+    command = DeleteCustomModelCard(model_id=ModelId(model_id))
+    node.send_command(command)
+    return CommandResponse(message=f"deleting card {model_id}", command_id=command.command_id)
+
+
+MAX_PROBE_BYTES = 64 * 2**20
+
+
+@router.get("/link_probe")
+def link_probe(size: int = Query(0, ge=0, le=MAX_PROBE_BYTES)) -> Response:
+    """Bytes for other nodes to time: how they measure the bandwidth of the link to us."""
+    return Response(content=bytes(size), media_type="application/octet-stream")
 
 
 @router.post("/place_instance")

@@ -4,7 +4,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from exo.shared.types.common import CommandId, FrozenModel, InstanceId, new_id
+from exo.shared.models.model_cards import ModelCard
+from exo.shared.types.common import CommandId, FrozenModel, InstanceId, ModelId, new_id
 from exo.shared.types.instances import Instance
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
@@ -40,6 +41,16 @@ class TaskFinished(CommandBase):
     finished_command_id: CommandId
 
 
+class AddCustomModelCard(CommandBase):
+    kind: Literal["AddCustomModelCard"] = "AddCustomModelCard"
+    card: ModelCard
+
+
+class DeleteCustomModelCard(CommandBase):
+    kind: Literal["DeleteCustomModelCard"] = "DeleteCustomModelCard"
+    model_id: ModelId
+
+
 class RequestEventLog(CommandBase):
     """A node saw a gap in the indexes; the master re-sends events from since_idx on."""
 
@@ -48,6 +59,12 @@ class RequestEventLog(CommandBase):
 
 
 Command = Annotated[
-    CreateInstance | DeleteInstance | TextGeneration | TaskFinished | RequestEventLog,
+    CreateInstance
+    | DeleteInstance
+    | TextGeneration
+    | TaskFinished
+    | AddCustomModelCard
+    | DeleteCustomModelCard
+    | RequestEventLog,
     Field(discriminator="kind"),
 ]

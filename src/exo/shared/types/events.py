@@ -4,6 +4,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.common import (
     FrozenModel,
     InstanceId,
@@ -74,6 +75,16 @@ class TaskDeleted(FrozenModel):
     task_id: TaskId
 
 
+class CustomModelCardAdded(FrozenModel):
+    kind: Literal["CustomModelCardAdded"] = "CustomModelCardAdded"
+    card: ModelCard
+
+
+class CustomModelCardDeleted(FrozenModel):
+    kind: Literal["CustomModelCardDeleted"] = "CustomModelCardDeleted"
+    model_id: ModelId
+
+
 class NodeDownloadProgress(FrozenModel):
     kind: Literal["NodeDownloadProgress"] = "NodeDownloadProgress"
     node_id: NodeId
@@ -106,6 +117,8 @@ Event = Annotated[
     | TaskStatusUpdated
     | TaskDeleted
     | NodeDownloadProgress
+    | CustomModelCardAdded
+    | CustomModelCardDeleted
     | TopologyEdgeUpdated
     | TopologyEdgeDeleted,
     Field(discriminator="kind"),

@@ -1,5 +1,6 @@
 """The cluster's shared picture. Every node rebuilds it by applying the same events."""
 
+from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.common import (
     FrozenModel,
     InstanceId,
@@ -25,3 +26,10 @@ class State(FrozenModel):
     tasks: dict[TaskId, TextGenerationTask] = {}
     downloads: dict[NodeId, dict[ModelId, DownloadProgress]] = {}
     topology: Topology = Topology()
+    # Cards added through the API; they live in the log, so they survive a failover.
+    custom_model_cards: dict[ModelId, ModelCard] = {}
+    # Why recent instances were deleted (the last MAX_DELETION_REASONS), newest last.
+    instance_deletions: dict[InstanceId, str] = {}
+
+
+MAX_DELETION_REASONS = 32

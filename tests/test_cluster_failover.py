@@ -1,0 +1,108 @@
+"""Several real exo processes on loopback: links measured, the master killed, and the
+cluster carrying on from the replicated log."""
+
+import os
+import signal
+import time
+
+import openai
+
+from conftest import TINY_MODEL_ID, free_port, start_node, stop_node
+
+CUSTOM_CARD = {
+    "model_id": "custom/made-up",
+    "n_layers": 4,
+    "hidden_size": 256,
+    "num_key_value_heads": 4,
+    "tasks": ["TextGeneration"],
+    "context_length": 2048,
+    "storage_size": {"in_bytes": 1000000},
+}
+
+
+def start_loopback_nodes(tmp_path, count, env):
+    namespace = f"failover-{os.getpid()}-{time.monotonic_ns()}"
+    listen_ports = [free_port() for _ in range(count)]
+    nodes = []
+    for i, port in enumerate(listen_ports):
+        peers = ",".join(f"tcp/127.0.0.1:{p}" for p in listen_ports[:i])
+        args = ("--listen-port", str(port)) + (("--bootstrap-peers", peers) if peers else ())
+        nodes.append(start_node(tmp_path / f"node{i}", env, args=args, namespace=namespace, discovery_port=free_port()))
+    return nodes
+
+
+def converged(nodes, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = [n.state() for n in nodes]
+        masters = {s["masterNodeId"] for s in states}
+        if (
+            all(len(s["nodes"]) == len(nodes) for s in states)
+            and len(masters) == 1
+            and None not in masters
+            and len({s["lastEventAppliedIdx"] for s in states}) == 1
+        ):
+            return states
+        time.sleep(0.2)
+    raise AssertionError(f"no convergence: {[(s['masterNodeId'], len(s['nodes']), s['lastEventAppliedIdx']) for s in states]}")
+
+
+def test_links_are_measured_and_the_cluster_survives_its_master(tmp_path, tiny_models_dir):
+    nodes = start_loopback_nodes(tmp_path, 3, {"EXO_MODELS_DIRS": str(tiny_models_dir)})
+    try:
+        states = converged(nodes)
+        master_id = states[0]["masterNodeId"]
+        ids = {n.get("/node_id").json(): n for n in nodes}
+        master = ids[master_id]
+        survivors = [n for node_id, n in ids.items() if node_id != master_id]
+
+        # Every ordered pair of nodes gets a measured link.
+        state = survivors[0].wait_for_state(
+            lambda s: len(s["topology"]["connections"]) == 6, timeout=30, what="6 measured links"
+        )
+        for link in state["topology"]["connections"]:
+            assert link["sinkIp"] == "127.0.0.1"
+            assert link["latencyMs"] > 0 and link["bandwidthMbps"] > 0
+
+        assert survivors[0].post("/models", json=CUSTOM_CARD).status_code == 200
+        # Put the instance on a survivor, so it outlives the master.
+        previews = survivors[0].get("/instance/previews", params={"model_id": TINY_MODEL_ID}).json()
+        preview = next(p for p in previews if p["instance"] and p["nodeIds"] == [ids_of(survivors)[0]])
+        response = survivors[1].post("/instance", json={"instance": preview["instance"]})
+        assert response.status_code == 200, response.text
+        instance_id = response.json()["instance_id"]
+        survivors[0].wait_for_state(
+            lambda s: any(r["kind"] == "RunnerReady" for r in s["runners"].values()), timeout=60, what="ready"
+        )
+
+        os.kill(master.process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        new_masters = set()
+        for node in survivors:
+            state = node.wait_for_state(
+                lambda s: s["masterNodeId"] not in (None, master_id), timeout=10, what="a new master"
+            )
+            new_masters.add(state["masterNodeId"])
+        took = time.monotonic() - killed_at
+        assert len(new_masters) == 1 and took < 10, (new_masters, took)
+
+        for node in survivors:
+            state = node.wait_for_state(lambda s: master_id not in s["nodes"], timeout=15, what="master timed out")
+            assert instance_id in state["instances"]
+            assert "custom/made-up" in state["customModelCards"]
+            models = [m["id"] for m in node.get("/v1/models").json()["data"]]
+            assert "custom/made-up" in models
+
+        for node in survivors:
+            sdk = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=60)
+            completion = sdk.chat.completions.create(
+                model=TINY_MODEL_ID, messages=[{"role": "user", "content": "still there?"}], max_tokens=4
+            )
+            assert completion.usage.completion_tokens > 0
+    finally:
+        for node in nodes:
+            stop_node(node)
+
+
+def ids_of(nodes):
+    return [n.get("/node_id").json() for n in nodes]
