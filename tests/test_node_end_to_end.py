@@ -186,3 +186,37 @@ def test_event_log_survives_a_restart(tmp_path, tiny_models_dir):
         assert completion.usage.completion_tokens > 0
     finally:
         stop_node(second)
+
+
+def test_an_instance_that_keeps_failing_is_retried_then_deleted_with_its_reason(tmp_path, tiny_models_dir):
+    import shutil
+
+    from conftest import start_node, stop_node
+
+    models = tmp_path / "models"
+    broken = models / "acme--broken"
+    shutil.copytree(tiny_models_dir / "acme--tiny", broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a truncated download
+
+    node = start_node(tmp_path / "home", {"EXO_MODELS_DIRS": str(models)})
+    try:
+        node_id = node.get("/node_id").json()
+        node.wait_for_state(lambda s: node_id in s["nodes"], what="node info")
+        response = node.post("/place_instance", json={"model_id": "acme/broken"})
+        assert response.status_code == 200, response.text
+        instance_id = response.json()["instance_id"]
+        state = node.wait_for_state(
+            lambda s: instance_id in s["instanceDeletions"], timeout=90, what="instance given up"
+        )
+        assert instance_id not in state["instances"]
+        reason = state["instanceDeletions"][instance_id]
+        assert "failed 3 times" in reason
+        attempts = [
+            e["event"]["status"]["attempt"]
+            for e in node.get("/events").json()
+            if e["event"]["kind"] == "RunnerStatusUpdated" and e["event"]["status"]["kind"] == "RunnerFailed"
+        ]
+        assert attempts == [1, 2, 3]
+    finally:
+        stop_node(node)

@@ -15,7 +15,6 @@ from exo.shared.types.commands import RequestEventLog
 from exo.shared.types.events import IndexedEvent
 from exo.shared.types.state import State
 
-
 GAP_RETRY_SECONDS = 1.0
 
 

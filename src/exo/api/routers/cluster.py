@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from exo.api.errors import ApiError
 from exo.master.placement import (
@@ -34,7 +34,9 @@ class PlaceInstanceRequest(BaseModel):
     model_id: str
     sharding: Sharding = Sharding.Pipeline
     instance_meta: InstanceMeta = InstanceMeta.MlxRing
-    min_nodes: int = 1
+    min_nodes: int = Field(1, ge=1)
+    # Room for this many tokens of KV cache; the card's context length by default.
+    context_length: int | None = Field(None, ge=1)
 
 
 class CreateInstanceRequest(BaseModel):
@@ -62,11 +64,15 @@ def card_or_404(node: "Node", model_id: str) -> ModelCard:
 
 
 def place_model(
-    node: "Node", model_id: str, sharding: Sharding = Sharding.Pipeline, min_nodes: int = 1
+    node: "Node",
+    model_id: str,
+    sharding: Sharding = Sharding.Pipeline,
+    min_nodes: int = 1,
+    context_length: int | None = None,
 ) -> CreateInstance:
     card = card_or_404(node, model_id)
     try:
-        instance = place_instance(node.replica.state, card, sharding, min_nodes)
+        instance = place_instance(node.replica.state, card, sharding, min_nodes, context_length)
     except PlacementError as error:
         raise ApiError(400, str(error), code="placement_failed") from error
     command = CreateInstance(instance=instance)
@@ -131,7 +137,7 @@ def link_probe(size: int = Query(0, ge=0, le=MAX_PROBE_BYTES)) -> Response:
 
 @router.post("/place_instance")
 def post_place_instance(request: Request, body: PlaceInstanceRequest) -> InstanceCommandResponse:
-    command = place_model(node_of(request), body.model_id, body.sharding, body.min_nodes)
+    command = place_model(node_of(request), body.model_id, body.sharding, body.min_nodes, body.context_length)
     return InstanceCommandResponse(
         message=f"placing {body.model_id}", command_id=command.command_id, instance_id=command.instance.instance_id
     )
@@ -152,10 +158,16 @@ def post_instance(request: Request, body: CreateInstanceRequest) -> InstanceComm
 
 @router.get("/instance/previews")
 def get_instance_previews(
-    request: Request, model_id: str, sharding: Sharding = Sharding.Pipeline, min_nodes: int = Query(1, ge=1)
+    request: Request,
+    model_id: str,
+    sharding: Sharding | None = None,
+    min_nodes: int = Query(1, ge=1),
+    context_length: int | None = Query(None, ge=1),
 ) -> list[PlacementPreview]:
+    """Every placement option, Pipeline and Tensor unless one is asked for, with the
+    reason each rejected option cannot work."""
     node = node_of(request)
-    return instance_previews(node.replica.state, card_or_404(node, model_id), sharding, min_nodes)
+    return instance_previews(node.replica.state, card_or_404(node, model_id), sharding, min_nodes, context_length)
 
 
 def _instance_or_404(state: State, instance_id: str) -> Instance:
