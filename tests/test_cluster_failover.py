@@ -106,3 +106,47 @@ def test_links_are_measured_and_the_cluster_survives_its_master(tmp_path, tiny_m
 
 def ids_of(nodes):
     return [n.get("/node_id").json() for n in nodes]
+
+
+def test_requests_go_to_the_least_loaded_instance(tmp_path, tiny_models_dir):
+    import threading
+
+    nodes = start_loopback_nodes(tmp_path, 2, {"EXO_MODELS_DIRS": str(tiny_models_dir)})
+    try:
+        converged(nodes)
+        node_ids = ids_of(nodes)
+        previews = nodes[0].get("/instance/previews", params={"model_id": TINY_MODEL_ID}).json()
+        instance_ids = []
+        for node_id in node_ids:
+            preview = next(p for p in previews if p["instance"] and p["nodeIds"] == [node_id])
+            response = nodes[0].post("/instance", json={"instance": preview["instance"]})
+            assert response.status_code == 200, response.text
+            instance_ids.append(response.json()["instance_id"])
+        nodes[1].wait_for_state(
+            lambda s: [r["kind"] for r in s["runners"].values()] == ["RunnerReady"] * 2, timeout=60, what="2 ready"
+        )
+
+        def long_request(node):
+            sdk = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=120)
+            # Greedy decoding of this random model never hits EOS: ~3 s of work each.
+            sdk.chat.completions.create(
+                model=TINY_MODEL_ID, messages=[{"role": "user", "content": "go on"}], max_tokens=2000, temperature=0
+            )
+
+        # Two requests at once, through different nodes' APIs.
+        threads = [threading.Thread(target=long_request, args=(node,)) for node in nodes]
+        threads[0].start()
+        nodes[0].wait_for_state(
+            lambda s: [t["status"] for t in s["tasks"].values()] == ["Running"], timeout=10, what="first task running"
+        )
+        threads[1].start()
+        for thread in threads:
+            thread.join(timeout=120)
+
+        created = [
+            e["event"]["task"]["instanceId"] for e in nodes[0].get("/events").json() if e["event"]["kind"] == "TaskCreated"
+        ]
+        assert sorted(created) == sorted(instance_ids), "the second request should go to the idle instance"
+    finally:
+        for node in nodes:
+            stop_node(node)
