@@ -1,7 +1,9 @@
 """OpenAI-compatible endpoints: /v1/models and /v1/chat/completions."""
 
+import asyncio
+from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -16,8 +18,11 @@ from exo.api.errors import ApiError
 from exo.api.routers.cluster import card_or_404, node_of
 from exo.master.master import least_loaded_instance
 from exo.shared.types.commands import TaskFinished, TextGeneration
-from exo.shared.types.common import ModelId, new_id
+from exo.shared.types.common import CommandId, ModelId, new_id
 from exo.shared.types.text_generation import ChunkGenerated
+
+if TYPE_CHECKING:
+    from exo.node import Node
 
 router = APIRouter(prefix="/v1")
 
@@ -46,6 +51,31 @@ def list_models(request: Request) -> dict[str, Any]:
     }
 
 
+# A command can be lost while the cluster elects a new master; don't wait forever.
+ACCEPT_TIMEOUT_SECONDS = 15.0
+
+
+async def wait_until_accepted(
+    node: "Node", command_id: CommandId, queue: asyncio.Queue[ChunkGenerated]
+) -> list[ChunkGenerated]:
+    """Until the master has made a task of the command, or answered with a chunk (which
+    is returned, taken off the queue)."""
+    first_chunk = asyncio.ensure_future(queue.get())
+    task_created = asyncio.ensure_future(
+        node.replica.wait_for(lambda s: any(t.command_id == command_id for t in s.tasks.values()), timeout=3600)
+    )
+    done, _ = await asyncio.wait({first_chunk, task_created}, timeout=ACCEPT_TIMEOUT_SECONDS, return_when=FIRST_COMPLETED)
+    task_created.cancel()
+    if first_chunk in done:
+        return [first_chunk.result()]
+    first_chunk.cancel()
+    if not done:
+        raise ApiError(
+            503, "the cluster did not accept the request in time (is a master elected?); retry", code="not_accepted"
+        )
+    return []
+
+
 @router.post("/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest):
     node = node_of(request)
@@ -67,6 +97,12 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
         streams.close(command.command_id)
         node.send_command(TaskFinished(finished_command_id=command.command_id))
 
+    try:
+        early = await wait_until_accepted(node, command.command_id, queue)
+    except BaseException:
+        finish()
+        raise
+
     if body.stream:
         encoder = ChunkEncoder(
             completion_id, body.model, bool(body.stream_options and body.stream_options.include_usage)
@@ -75,7 +111,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
         async def sse() -> AsyncIterator[str]:
             # `finally` also runs when the client disconnects, which stops generation.
             try:
-                async for chunk in streams.until_finished(queue):
+                async for chunk in streams.until_finished(queue, early):
                     for line in encoder.encode(chunk):
                         yield line
                 yield "data: [DONE]\n\n"
@@ -86,7 +122,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
 
     chunks: list[ChunkGenerated] = []
     try:
-        async for chunk in streams.until_finished(queue):
+        async for chunk in streams.until_finished(queue, early):
             chunks.append(chunk)
     finally:
         finish()
