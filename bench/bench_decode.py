@@ -39,12 +39,15 @@ def direct_decode_tps(model_dir: Path, tokens: int) -> float:
     prompt = mx.array(encode_prompt(tokenizer, params))
     stream = generate_step(prompt, model, max_tokens=tokens, sampler=make_sampler(temp=0.0))
     token, _ = next(stream)
-    _ = int(token)
+    if int(token) in tokenizer.eos_token_ids:
+        raise SystemExit("the model ended its answer at once; nothing to time")
     start = time.perf_counter()
     count = 0
     for token, _ in stream:
-        _ = int(token)
         count += 1
+        # Stop where the API stops too, so both sides decode the same greedy tokens.
+        if int(token) in tokenizer.eos_token_ids:
+            break
     return count / (time.perf_counter() - start)
 
 

@@ -32,10 +32,13 @@ class ExoNode:
     api_port: int
     home: Path
     log_path: Path
+    # Where the test process reaches the API (a network namespace's address for nodes
+    # started by tests/cluster.py's netns harness).
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
+        return f"http://{self.host}:{self.api_port}"
 
     def get(self, path: str, **kwargs) -> httpx.Response:
         return httpx.get(self.url + path, timeout=30, **kwargs)
@@ -98,6 +101,7 @@ def start_node(
     args: tuple[str, ...] = (),
     namespace: str | None = None,
     discovery_port: int | None = None,
+    multicast: bool = False,
 ) -> ExoNode:
     """A real `exo` process. Unless told otherwise it gets a namespace and discovery port
     of its own, so nodes of concurrent tests never find each other."""
@@ -112,6 +116,9 @@ def start_node(
             sys.executable, "-m", "exo.main",
             "--api-port", str(api_port), "--api-host", "127.0.0.1",
             "--namespace", namespace, "--discovery-port", str(discovery_port),
+            # Tests on the host reach peers by bootstrap only: no multicast leaves the
+            # machine (the network-namespace tests exercise multicast on their own bridge).
+            *(("--no-multicast",) if multicast is False else ()),
             *args,
         ],
         env=env,

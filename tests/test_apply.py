@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from exo.shared.apply import EventOrderError, apply
+from exo.shared.apply import EventOrderError, apply, apply_event
 from exo.shared.models.model_cards import ModelCard, builtin_cards
 from exo.shared.types.common import (
     CommandId,
@@ -23,6 +23,8 @@ from exo.shared.types.downloads import (
     DownloadPending,
 )
 from exo.shared.types.events import (
+    CustomModelCardAdded,
+    CustomModelCardDeleted,
     Event,
     IndexedEvent,
     InstanceCreated,
@@ -339,6 +341,8 @@ def one_of_each_event(card: ModelCard) -> list[Event]:
             connection=Connection(source=NODE_A, sink=NODE_B, sink_ip="10.0.0.2", latency_ms=0.4, bandwidth_mbps=9400)
         ),
         TopologyEdgeDeleted(source=NODE_B, sink=NODE_A),
+        CustomModelCardAdded(card=card),
+        CustomModelCardDeleted(model_id=ModelId(card.model_id)),
     ]
 
 
@@ -398,3 +402,20 @@ def test_state_json_uses_camel_case_keys(serving_state: State):
     assert "shardAssignments" in instance
     assert "runnerToShard" in instance["shardAssignments"]
     assert "apiPort" in wire["nodes"][NODE_A]
+
+
+def test_custom_model_cards_are_added_and_deleted(card: ModelCard):
+    added = apply_event(State(), CustomModelCardAdded(card=card))
+    assert added.custom_model_cards == {card.model_id: card}
+    assert apply_event(added, CustomModelCardDeleted(model_id=ModelId(card.model_id))).custom_model_cards == {}
+
+
+def test_instance_deletion_reasons_are_kept_for_the_most_recent_instances(card: ModelCard):
+    state = State()
+    for number in range(40):
+        instance = two_rank_instance(card, f"i{number}", (f"r{number}a", f"r{number}b"))
+        state = apply_event(state, InstanceCreated(instance=instance))
+        state = apply_event(state, InstanceDeleted(instance_id=instance.instance_id, reason=f"reason {number}"))
+    assert len(state.instance_deletions) == 32
+    assert state.instance_deletions[InstanceId("i39")] == "reason 39"
+    assert InstanceId("i0") not in state.instance_deletions

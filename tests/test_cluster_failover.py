@@ -7,7 +7,8 @@ import time
 
 import openai
 
-from conftest import TINY_MODEL_ID, free_port, start_node, stop_node
+from cluster import loopback_cluster, wait_converged
+from conftest import TINY_MODEL_ID
 
 CUSTOM_CARD = {
     "model_id": "custom/made-up",
@@ -20,39 +21,11 @@ CUSTOM_CARD = {
 }
 
 
-def start_loopback_nodes(tmp_path, count, env):
-    namespace = f"failover-{os.getpid()}-{time.monotonic_ns()}"
-    listen_ports = [free_port() for _ in range(count)]
-    nodes = []
-    for i, port in enumerate(listen_ports):
-        peers = ",".join(f"tcp/127.0.0.1:{p}" for p in listen_ports[:i])
-        args = ("--listen-port", str(port)) + (("--bootstrap-peers", peers) if peers else ())
-        nodes.append(start_node(tmp_path / f"node{i}", env, args=args, namespace=namespace, discovery_port=free_port()))
-    return nodes
-
-
-def converged(nodes, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = [n.state() for n in nodes]
-        masters = {s["masterNodeId"] for s in states}
-        if (
-            all(len(s["nodes"]) == len(nodes) for s in states)
-            and len(masters) == 1
-            and None not in masters
-            and len({s["lastEventAppliedIdx"] for s in states}) == 1
-        ):
-            return states
-        time.sleep(0.2)
-    raise AssertionError(f"no convergence: {[(s['masterNodeId'], len(s['nodes']), s['lastEventAppliedIdx']) for s in states]}")
-
-
 def test_links_are_measured_and_the_cluster_survives_its_master(tmp_path, tiny_models_dir):
-    nodes = start_loopback_nodes(tmp_path, 3, {"EXO_MODELS_DIRS": str(tiny_models_dir)})
-    try:
-        states = converged(nodes)
+    with loopback_cluster(3, tmp_path, {"EXO_MODELS_DIRS": str(tiny_models_dir)}) as nodes:
+        states = wait_converged(nodes)
         master_id = states[0]["masterNodeId"]
-        ids = {n.get("/node_id").json(): n for n in nodes}
+        ids = {n.node_id(): n for n in nodes}
         master = ids[master_id]
         survivors = [n for node_id, n in ids.items() if node_id != master_id]
 
@@ -67,7 +40,7 @@ def test_links_are_measured_and_the_cluster_survives_its_master(tmp_path, tiny_m
         assert survivors[0].post("/models", json=CUSTOM_CARD).status_code == 200
         # Put the instance on a survivor, so it outlives the master.
         previews = survivors[0].get("/instance/previews", params={"model_id": TINY_MODEL_ID}).json()
-        preview = next(p for p in previews if p["instance"] and p["nodeIds"] == [ids_of(survivors)[0]])
+        preview = next(p for p in previews if p["instance"] and p["nodeIds"] == [survivors[0].node_id()])
         response = survivors[1].post("/instance", json={"instance": preview["instance"]})
         assert response.status_code == 200, response.text
         instance_id = response.json()["instance_id"]
@@ -99,22 +72,14 @@ def test_links_are_measured_and_the_cluster_survives_its_master(tmp_path, tiny_m
                 model=TINY_MODEL_ID, messages=[{"role": "user", "content": "still there?"}], max_tokens=4
             )
             assert completion.usage.completion_tokens > 0
-    finally:
-        for node in nodes:
-            stop_node(node)
-
-
-def ids_of(nodes):
-    return [n.get("/node_id").json() for n in nodes]
 
 
 def test_requests_go_to_the_least_loaded_instance(tmp_path, tiny_models_dir):
     import threading
 
-    nodes = start_loopback_nodes(tmp_path, 2, {"EXO_MODELS_DIRS": str(tiny_models_dir)})
-    try:
-        converged(nodes)
-        node_ids = ids_of(nodes)
+    with loopback_cluster(2, tmp_path, {"EXO_MODELS_DIRS": str(tiny_models_dir)}) as nodes:
+        wait_converged(nodes)
+        node_ids = [node.node_id() for node in nodes]
         previews = nodes[0].get("/instance/previews", params={"model_id": TINY_MODEL_ID}).json()
         instance_ids = []
         for node_id in node_ids:
@@ -144,9 +109,8 @@ def test_requests_go_to_the_least_loaded_instance(tmp_path, tiny_models_dir):
             thread.join(timeout=120)
 
         created = [
-            e["event"]["task"]["instanceId"] for e in nodes[0].get("/events").json() if e["event"]["kind"] == "TaskCreated"
+            e["event"]["task"]["instanceId"]
+            for e in nodes[0].get("/events").json()
+            if e["event"]["kind"] == "TaskCreated"
         ]
         assert sorted(created) == sorted(instance_ids), "the second request should go to the idle instance"
-    finally:
-        for node in nodes:
-            stop_node(node)

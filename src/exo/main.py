@@ -18,18 +18,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--api-port", type=int, default=52415, help="HTTP API and dashboard port")
     parser.add_argument("--api-host", default="0.0.0.0", help="address the HTTP API binds to")
+    parser.add_argument("--listen-port", type=int, default=0, help="cluster transport TCP port (default: any free)")
+    parser.add_argument("--discovery-port", type=int, default=0, help="UDP multicast discovery port (default 7446)")
     parser.add_argument(
-        "--listen-port", type=int, default=0, help="cluster transport port (cluster support: next release)"
-    )
-    parser.add_argument(
-        "--discovery-port", type=int, default=0, help="UDP discovery port (cluster support: next release)"
-    )
-    parser.add_argument(
-        "--bootstrap-peers",
-        default="",
-        help="comma-separated tcp/HOST:PORT peers to join (cluster support: next release)",
+        "--bootstrap-peers", default="", help="comma-separated tcp/HOST:PORT peers to join, besides multicast discovery"
     )
     parser.add_argument("--namespace", default="exo", help="keeps clusters on one network apart")
+    parser.add_argument(
+        "--no-multicast", action="store_true", help="do not discover peers by multicast; use --bootstrap-peers only"
+    )
+    parser.add_argument("--discovery-interface", default="auto", help="network interface for multicast discovery")
     parser.add_argument("--offline", action="store_true", help="never reach a model hub; use local models only")
     parser.add_argument("--no-worker", action="store_true", help="serve the API and coordinate, but run no models")
     parser.add_argument("--force-master", action="store_true", help="always win master elections")
@@ -57,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
         discovery_port=args.discovery_port,
         bootstrap_peers=tuple(p for p in args.bootstrap_peers.split(",") if p),
         namespace=args.namespace,
+        multicast=not args.no_multicast,
+        discovery_interface=args.discovery_interface,
         offline=args.offline,
         run_worker=not args.no_worker,
         force_master=args.force_master,

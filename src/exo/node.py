@@ -28,6 +28,8 @@ class NodeConfig:
     discovery_port: int = 0
     bootstrap_peers: tuple[str, ...] = ()
     namespace: str = "exo"
+    multicast: bool = True
+    discovery_interface: str = "auto"
     offline: bool = False
     run_worker: bool = True
     force_master: bool = False
@@ -52,7 +54,12 @@ class Node:
         self.node_id = load_node_id(config.exo_home)
         self.session_id = new_id()
         transport = ZenohTransport(
-            config.namespace, config.listen_port, config.discovery_port, list(config.bootstrap_peers)
+            config.namespace,
+            config.listen_port,
+            config.discovery_port,
+            list(config.bootstrap_peers),
+            config.multicast,
+            config.discovery_interface,
         )
         self.router = Router(self.node_id, transport)
         self.replica = StateReplica(self.router, config.exo_home / "data" / "event_log.jsonl")

@@ -13,14 +13,20 @@ DEFAULT_DISCOVERY_PORT = 7446
 MULTICAST_GROUP = "224.0.0.224"
 
 
-def zenoh_config(listen_port: int, discovery_port: int, bootstrap_peers: list[str]) -> zenoh.Config:
+def zenoh_config(
+    listen_port: int,
+    discovery_port: int,
+    bootstrap_peers: list[str],
+    multicast: bool = True,
+    discovery_interface: str = "auto",
+) -> zenoh.Config:
     config = zenoh.Config()
     config.insert_json5("mode", json.dumps("peer"))
     config.insert_json5("listen/endpoints", json.dumps([f"tcp/0.0.0.0:{listen_port}"]))
     config.insert_json5("connect/endpoints", json.dumps(bootstrap_peers))
-    config.insert_json5("scouting/multicast/enabled", "true")
+    config.insert_json5("scouting/multicast/enabled", json.dumps(multicast))
     config.insert_json5("scouting/multicast/address", json.dumps(f"{MULTICAST_GROUP}:{discovery_port}"))
-    config.insert_json5("scouting/multicast/interface", json.dumps("auto"))
+    config.insert_json5("scouting/multicast/interface", json.dumps(discovery_interface))
     # Peers found by multicast connect to each other directly, forming a full mesh.
     config.insert_json5("scouting/multicast/autoconnect", json.dumps({"peer": ["peer"]}))
     return config
@@ -28,11 +34,18 @@ def zenoh_config(listen_port: int, discovery_port: int, bootstrap_peers: list[st
 
 class ZenohTransport:
     def __init__(
-        self, namespace: str, listen_port: int = 0, discovery_port: int = DEFAULT_DISCOVERY_PORT,
+        self,
+        namespace: str,
+        listen_port: int = 0,
+        discovery_port: int = DEFAULT_DISCOVERY_PORT,
         bootstrap_peers: list[str] | None = None,
+        multicast: bool = True,
+        discovery_interface: str = "auto",
     ) -> None:
         self.prefix = f"exo/{namespace}"
-        self.config = zenoh_config(listen_port, discovery_port or DEFAULT_DISCOVERY_PORT, bootstrap_peers or [])
+        self.config = zenoh_config(
+            listen_port, discovery_port or DEFAULT_DISCOVERY_PORT, bootstrap_peers or [], multicast, discovery_interface
+        )
         self.session: zenoh.Session | None = None
         self._publishers: dict[Topic, zenoh.Publisher] = {}
         self._subscribers: list[zenoh.Subscriber] = []

@@ -59,15 +59,14 @@ def apply_event(state: State, event: Event) -> State:
             return state.model_copy(update={"instances": instances})
         case InstanceDeleted(instance_id=instance_id, reason=reason):
             instance = state.instances.get(instance_id)
-            runners = state.runners
-            if instance is not None:
-                gone = instance.shard_assignments.runner_to_shard.keys()
-                runners = {r: s for r, s in runners.items() if r not in gone}
+            if instance is None:
+                return state
+            gone = instance.shard_assignments.runner_to_shard.keys()
             deletions = list({**_without(state.instance_deletions, instance_id), instance_id: reason}.items())
             return state.model_copy(
                 update={
                     "instances": _without(state.instances, instance_id),
-                    "runners": runners,
+                    "runners": {r: s for r, s in state.runners.items() if r not in gone},
                     "instance_deletions": dict(deletions[-MAX_DELETION_REASONS:]),
                 }
             )

@@ -142,6 +142,8 @@ def _plan_instance(
 
     if not isinstance(own, SERVING_STATUSES):
         return None
+    if instance.shard_assignments.runner_to_shard[runner_id].device_rank != 0:
+        return None  # rank 0 takes the requests and leads the other ranks
     for task in state.tasks.values():
         if task.instance_id != instance.instance_id:
             continue

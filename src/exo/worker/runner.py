@@ -48,20 +48,44 @@ class Runner:
         self.engine = engine
         # request id (the command id) -> task id, for the tasks being generated.
         self.active: dict[str, TaskId] = {}
+        self.ready = False
 
     def set_status(self, status: RunnerStatus) -> None:
         self.conn.send(RunnerStatusUpdated(runner_id=self.runner_id, status=status))
 
+    @property
+    def is_follower(self) -> bool:
+        """Ranks after 0 of a multi-rank instance step in lockstep with rank 0 and
+        neither take requests nor stream tokens."""
+        return self.shard.device_rank > 0
+
     def run(self) -> None:
         self.set_status(RunnerIdle())
-        while True:
+        while not self.following:
             # Block for instructions only when idle; while generating, take what has
             # arrived and keep stepping.
             while not self.engine.has_work or self.conn.poll():
                 instruction: RunnerInstruction = self.conn.recv()
                 if not self.handle(instruction):
                     return
-            self.generate_step()
+                if self.following:
+                    break
+            else:
+                self.generate_step()
+        # A follower's steps block in collectives until rank 0 leads the next one;
+        # rank 0 also tells it when to shut down.
+        while not self.engine.shutdown_requested:
+            self.engine.step()
+        self._shut_down()
+
+    @property
+    def following(self) -> bool:
+        return self.is_follower and self.ready
+
+    def _shut_down(self) -> None:
+        self.set_status(RunnerShuttingDown())
+        self.engine.close()
+        self.set_status(RunnerShutdown())
 
     def handle(self, instruction: RunnerInstruction) -> bool:
         match instruction:
@@ -83,6 +107,7 @@ class Runner:
                 self.set_status(RunnerWarmingUp())
                 tokens = self.engine.warm_up()
                 logger.info(f"runner {self.runner_id}: warmed up with {tokens} tokens")
+                self.ready = True
                 self.set_status(RunnerReady())
             case SubmitTask(task_id=task_id, command_id=command_id, params=params):
                 try:
@@ -103,9 +128,7 @@ class Runner:
                         self.conn.send(ChunkGenerated(command_id=command_id, finish_reason="cancelled"))
                 self._maybe_ready()
             case Shutdown():
-                self.set_status(RunnerShuttingDown())
-                self.engine.close()
-                self.set_status(RunnerShutdown())
+                self._shut_down()
                 return False
         return True
 

@@ -1,10 +1,13 @@
 """Generation with MLX: one mlx-lm `generate_step` stream per request, advanced a token
 at a time so new requests and cancellations are picked up between tokens."""
 
+import json
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,6 +18,7 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 from exo.engine.base import LayerProgress
 from exo.engine.mlx.chat_template import encode_prompt
 from exo.engine.mlx.loading import load_shard
+from exo.engine.mlx.parallel import broadcast_bytes, connect_group
 from exo.engine.stop_sequences import StopSequenceFilter
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.instances import Instance
@@ -45,22 +49,38 @@ class _Request:
 
 
 class MlxEngine:
+    """With several ranks, rank 0 alone takes requests and cancellations; before every
+    step it broadcasts what changes (start these requests with these params and seeds,
+    cancel those), and every rank applies the same changes and steps the same requests.
+    So all ranks run the same collectives in the same order and none waits forever."""
+
     def __init__(self) -> None:
         self.model: nn.Module | None = None
         self.tokenizer: TokenizerWrapper | None = None
+        self.group: mx.distributed.Group | None = None
         self.card_defaults: dict[str, float | int] = {}
         self._requests: dict[str, _Request] = {}
+        self._pending_ops: list[dict[str, Any]] = []
+        self.shutdown_requested = False
+
+    @property
+    def is_follower(self) -> bool:
+        return self.group is not None and self.group.rank() > 0
 
     def connect(self, instance: Instance, shard: ShardMetadata) -> None:
-        if shard.world_size > 1:
-            raise NotImplementedError("multi-rank groups arrive with distributed inference")
+        self.group = connect_group(instance, shard)
 
     def load(self, model_dir: Path, shard: ShardMetadata, on_layer_loaded: LayerProgress) -> None:
-        self.model, self.tokenizer = load_shard(model_dir, shard, on_layer_loaded)
-        defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
-        self.card_defaults = defaults
+        self.model, self.tokenizer = load_shard(model_dir, shard, self.group, on_layer_loaded)
+        self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
 
     def warm_up(self) -> int:
+        if self.is_follower:
+            # Step along with rank 0 until it says warm-up is over.
+            generated = 0
+            while not self._step_and_check("end_warmup"):
+                generated += 1
+            return generated
         params = TextGenerationTaskParams(
             model=ModelId("warmup"),
             messages=[ChatMessage(role="user", content="Hello")],
@@ -69,18 +89,53 @@ class MlxEngine:
         )
         self.submit("warmup", params)
         generated = 0
-        while self.has_work:
+        while self._requests or self._pending_ops:
             generated += sum(len(chunk.token_ids) for chunk in self.step())
+        if self.group is not None:
+            self._pending_ops.append({"op": "end_warmup"})
+            self.step()
         return generated
 
     def submit(self, request_id: str, params: TextGenerationTaskParams) -> None:
         assert self.model is not None and self.tokenizer is not None, "load() first"
+        # Every rank seeds its sampler the same way, so all ranks draw the same tokens.
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        self._pending_ops.append({"op": "start", "id": request_id, "params": params.model_dump(mode="json"), "seed": seed})
+        if self.group is None:
+            self._apply_ops()
+
+    def cancel(self, request_id: str) -> None:
+        self._pending_ops.append({"op": "cancel", "id": request_id})
+        if self.group is None:
+            self._apply_ops()
+
+    def _agree_on_ops(self) -> list[dict[str, Any]]:
+        ops, self._pending_ops = self._pending_ops, []
+        if self.group is None:
+            return ops
+        payload = json.dumps(ops).encode() if ops else None
+        received = broadcast_bytes(None if self.is_follower else payload, self.group)
+        return json.loads(received) if received else []
+
+    def _apply_ops(self) -> list[str]:
+        applied = []
+        for op in self._agree_on_ops():
+            applied.append(op["op"])
+            match op["op"]:
+                case "start":
+                    params = TextGenerationTaskParams.model_validate(op["params"])
+                    self._start(op["id"], params, op["seed"])
+                case "cancel":
+                    self._requests.pop(op["id"], None)
+                case "shutdown":
+                    self.shutdown_requested = True
+        return applied
+
+    def _start(self, request_id: str, params: TextGenerationTaskParams, seed: int) -> None:
+        assert self.model is not None and self.tokenizer is not None
         prompt = encode_prompt(self.tokenizer, params)
-        if params.seed is not None:
-            mx.random.seed(params.seed)
+        mx.random.seed(seed)
         max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
-        detokenizer = self.tokenizer.detokenizer
-        detokenizer.reset()
         self._requests[request_id] = _Request(
             request_id=request_id,
             tokens=generate_step(
@@ -89,12 +144,17 @@ class MlxEngine:
                 max_tokens=max_tokens,
                 sampler=self._sampler(params),
             ),
-            detokenizer=detokenizer,
+            detokenizer=self.tokenizer.detokenizer,
             stop_filter=StopSequenceFilter(params.stop),
             max_tokens=max_tokens,
             prompt_tokens=len(prompt),
             submitted_at=time.perf_counter(),
         )
+
+    def _step_and_check(self, marker: str) -> bool:
+        applied = self._apply_ops()
+        self._advance_all()
+        return marker in applied
 
     def _sampler(self, params: TextGenerationTaskParams):
         def pick(name: str, fallback: float | int) -> float | int:
@@ -109,6 +169,11 @@ class MlxEngine:
         )
 
     def step(self) -> list[ChunkGenerated]:
+        if self.group is not None:
+            self._apply_ops()
+        return self._advance_all()
+
+    def _advance_all(self) -> list[ChunkGenerated]:
         return [self._advance(request) for request in list(self._requests.values())]
 
     def _advance(self, request: _Request) -> ChunkGenerated:
@@ -158,14 +223,14 @@ class MlxEngine:
             generation_tokens=request.generated,
         )
 
-    def cancel(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-
     @property
     def has_work(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests or self._pending_ops)
 
     def close(self) -> None:
+        if self.group is not None and not self.is_follower:
+            self._pending_ops.append({"op": "shutdown"})
+            self._apply_ops()
         self._requests.clear()
         self.model = None
         self.tokenizer = None

@@ -8,6 +8,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
 from exo.engine.base import LayerProgress
+from exo.engine.mlx.parallel import shard_model
 from exo.shared.types.shards import ShardMetadata
 
 
@@ -19,16 +20,19 @@ def model_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def load_shard(
-    model_dir: Path, shard: ShardMetadata, on_layer_loaded: LayerProgress
+    model_dir: Path, shard: ShardMetadata, group: mx.distributed.Group | None, on_layer_loaded: LayerProgress
 ) -> tuple[nn.Module, TokenizerWrapper]:
     model, config = load_model(model_dir, lazy=True)
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
-    if shard.world_size > 1:
-        raise NotImplementedError("multi-rank shards arrive with distributed inference")
+    # Shard while the weights are still lazy, so only this rank's part is ever read.
+    shard_model(model, shard, group)
     layers = model_layers(model)
     # Materialise layer by layer so progress is visible and peak memory grows smoothly.
     for loaded, layer in enumerate(layers, 1):
         mx.eval(layer.parameters())
         on_layer_loaded(loaded, len(layers))
     mx.eval(model.parameters())
+    if group is not None:
+        # Nobody starts serving until every rank has its weights.
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
     return model, tokenizer

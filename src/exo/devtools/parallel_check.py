@@ -1,0 +1,80 @@
+"""Runs one rank of a model split over an MLX ring and records its logits, so tests can
+compare 1, 2 and 4 processes on the same prompt. Uses the engine's real loading and
+sharding code.
+
+    python -m exo.devtools.parallel_check MODEL_DIR OUT.npz --sharding pipeline \\
+        --world-size 2 --rank 0 --hosts 127.0.0.1:5000,127.0.0.1:5001
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from exo.engine.mlx.loading import load_shard
+from exo.engine.mlx.parallel import connect_group
+from exo.master.placement import split_layers
+from exo.shared.models.model_cards import card_from_model_dir
+from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
+from exo.shared.types.instances import Instance, ShardAssignments, Sharding
+from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
+
+
+def build_instance(model_dir: Path, sharding: Sharding, world_size: int, hosts: list[str]) -> Instance:
+    card = card_from_model_dir(model_dir, "check/model")
+    ranges = split_layers(card.n_layers, [1] * world_size) if sharding == Sharding.Pipeline else None
+    shards = {}
+    for rank in range(world_size):
+        start, end = ranges[rank] if ranges else (0, card.n_layers)
+        shard_type = PipelineShardMetadata if sharding == Sharding.Pipeline else TensorShardMetadata
+        shards[RunnerId(f"rank{rank}")] = shard_type(
+            model_card=card, device_rank=rank, world_size=world_size, start_layer=start, end_layer=end, n_layers=card.n_layers
+        )
+    return Instance(
+        instance_id=InstanceId("check"),
+        sharding=sharding,
+        shard_assignments=ShardAssignments(
+            model_id=ModelId("check/model"),
+            runner_to_shard=shards,
+            node_to_runner={NodeId(f"node{r}"): RunnerId(f"rank{r}") for r in range(world_size)},
+        ),
+        hosts=hosts if world_size > 1 else [],
+    )
+
+
+def run_rank(model_dir: Path, instance: Instance, rank: int, prompt: list[int], decode_steps: int) -> dict:
+    shard = instance.shard_assignments.runner_to_shard[RunnerId(f"rank{rank}")]
+    group = connect_group(instance, shard)
+    model, _ = load_shard(model_dir, shard, group, lambda done, total: None)
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(prompt)[None], cache=cache)[0, -1]
+    all_logits, tokens = [logits], []
+    for _ in range(decode_steps):
+        token = int(mx.argmax(all_logits[-1]).item())
+        tokens.append(token)
+        all_logits.append(model(mx.array([[token]]), cache=cache)[0, -1])
+    return {"logits": np.array(mx.stack(all_logits).astype(mx.float32)), "tokens": np.array(tokens)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--sharding", choices=["pipeline", "tensor"], default="pipeline")
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--hosts", default="")
+    parser.add_argument("--prompt", default="[]", help="JSON list of token ids")
+    parser.add_argument("--decode-steps", type=int, default=16)
+    args = parser.parse_args()
+    sharding = Sharding.Pipeline if args.sharding == "pipeline" else Sharding.Tensor
+    instance = build_instance(args.model_dir, sharding, args.world_size, [h for h in args.hosts.split(",") if h])
+    result = run_rank(args.model_dir, instance, args.rank, json.loads(args.prompt), args.decode_steps)
+    np.savez(args.out, **result)
+
+
+if __name__ == "__main__":
+    main()

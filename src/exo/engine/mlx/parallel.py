@@ -1,0 +1,131 @@
+"""Splitting a model across the ranks of an MLX distributed group (ring backend, TCP).
+
+Pipeline: each rank keeps a contiguous range of layers. The first local layer of rank
+r > 0 takes its input from rank r-1; the last local layer sends to rank r+1, and every
+rank then receives the last rank's hidden state, so all ranks compute the same logits
+and sample the same token.
+
+Tensor: mlx-lm's own `shard(group)` for the architectures that have one (column-split
+in, row-split out, one all-sum per block)."""
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from exo.shared.types.instances import Instance
+from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+
+
+def connect_group(instance: Instance, shard: ShardMetadata) -> mx.distributed.Group | None:
+    """Join the instance's ring. Every rank listens on its own entry of instance.hosts."""
+    if shard.world_size == 1:
+        return None
+    if len(instance.hosts) != shard.world_size:
+        raise ValueError(f"instance has {len(instance.hosts)} ring hosts for {shard.world_size} ranks")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="exo-ring-", delete=False) as hostfile:
+        json.dump([[host] for host in instance.hosts], hostfile)
+    os.environ["MLX_RANK"] = str(shard.device_rank)
+    os.environ["MLX_HOSTFILE"] = hostfile.name
+    group = mx.distributed.init(backend="ring", strict=True)
+    if group.size() != shard.world_size or group.rank() != shard.device_rank:
+        raise RuntimeError(f"ring formed as rank {group.rank()}/{group.size()}, expected {shard.device_rank}")
+    # A first collective proves every link of the ring works before loading starts.
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
+    return group
+
+
+class _LayerWrapper(nn.Module):
+    """Wraps one transformer block; attribute reads the wrapper lacks (a block's
+    `use_sliding`, `layer_type`, ...) go to the block, since models consult them."""
+
+    def __init__(self, layer: nn.Module, group: mx.distributed.Group) -> None:
+        super().__init__()
+        self.layer = layer
+        self.group = group
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "layer" not in self:
+                raise
+            return getattr(self["layer"], name)
+
+
+class ReceiveFromPrevious(_LayerWrapper):
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        x = mx.distributed.recv_like(x, self.group.rank() - 1, group=self.group)
+        return self.layer(x, *args, **kwargs)
+
+
+class SendToNextAndShare(_LayerWrapper):
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        out = self.layer(x, *args, **kwargs)
+        rank, size = self.group.rank(), self.group.size()
+        if rank < size - 1:
+            out = mx.distributed.send(out, rank + 1, group=self.group)
+        # Every rank contributes its output; the last rank's is the model's.
+        gathered = mx.distributed.all_gather(out, group=self.group)
+        return gathered[-out.shape[0] :]
+
+
+def inner_model(model: nn.Module) -> nn.Module:
+    """The module that owns `.layers` (mlx-lm models keep it at `model.model`)."""
+    for candidate in (getattr(model, "model", None), getattr(getattr(model, "language_model", None), "model", None)):
+        if candidate is not None and hasattr(candidate, "layers"):
+            return candidate
+    raise ValueError(f"cannot find the transformer layers of {type(model).__name__}")
+
+
+def apply_pipeline(model: nn.Module, shard: PipelineShardMetadata, group: mx.distributed.Group) -> None:
+    inner = inner_model(model)
+    layers = list(inner.layers)[shard.start_layer : shard.end_layer]
+    if shard.device_rank > 0:
+        layers[0] = ReceiveFromPrevious(layers[0], group)
+    layers[-1] = SendToNextAndShare(layers[-1], group)
+    inner.layers = layers
+    _fix_layer_indices(inner, shard.start_layer, shard.end_layer)
+
+
+def _fix_layer_indices(inner: nn.Module, start: int, end: int) -> None:
+    """Some models pick a mask or cache by a layer's index into the full stack; after
+    slicing, those indices must point into this rank's layers."""
+    local = list(inner.layers)
+    for name, wanted in (("fa_idx", False), ("swa_idx", True)):
+        if hasattr(inner, name):
+            index = next((i for i, layer in enumerate(local) if bool(getattr(layer, "use_sliding", False)) == wanted), None)
+            setattr(inner, name, index if index is not None else 0)
+    if hasattr(inner, "num_hidden_layers"):
+        inner.num_hidden_layers = end - start
+
+
+def apply_tensor(model: nn.Module, shard: TensorShardMetadata, group: mx.distributed.Group) -> None:
+    if not hasattr(model, "shard"):
+        raise ValueError(f"{type(model).__module__} has no tensor-parallel strategy")
+    model.shard(group)
+
+
+def shard_model(model: nn.Module, shard: ShardMetadata, group: mx.distributed.Group | None) -> None:
+    if group is None:
+        return
+    if isinstance(shard, TensorShardMetadata):
+        apply_tensor(model, shard, group)
+    else:
+        apply_pipeline(model, shard, group)
+
+
+def broadcast_bytes(payload: bytes | None, group: mx.distributed.Group) -> bytes:
+    """Rank 0's payload, on every rank (others pass None). Two small all-sums: the size,
+    then the bytes."""
+    is_root = group.rank() == 0
+    size = mx.distributed.all_sum(mx.array([len(payload) if is_root and payload else 0]), group=group)
+    n = int(size.item())
+    if n == 0:
+        return b""
+    data = mx.array(list(payload), dtype=mx.int32) if is_root and payload else mx.zeros((n,), dtype=mx.int32)
+    total = mx.distributed.all_sum(data, group=group)
+    return bytes(total.astype(mx.uint8).tolist())
