@@ -11,14 +11,15 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 
 from exo.engine.base import LayerProgress
 from exo.engine.mlx.chat_template import encode_prompt
 from exo.engine.mlx.loading import load_shard
-from exo.engine.mlx.parallel import broadcast_bytes, connect_group
+from exo.engine.mlx.parallel import broadcast_bytes, connect_group, inner_model
 from exo.engine.stop_sequences import StopSequenceFilter
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.instances import Instance
@@ -32,6 +33,29 @@ from exo.shared.types.text_generation import (
 )
 
 DEFAULT_MAX_TOKENS = 1024
+PREFILL_STEP = 512
+
+
+def prefill(model: nn.Module, tokens: list[int], cache: list[Any]) -> None:
+    """Run the prompt through the model in chunks, filling the cache. We evaluate the
+    hidden states, not just the caches as mlx-lm's own prefill does: on a pipeline rank
+    the send to the next rank is not an input of any cache, so evaluating only caches
+    would never send, and the ring would wait forever."""
+    inner = inner_model(model)
+    with mx.stream(generation_stream):
+        for start in range(0, len(tokens), PREFILL_STEP):
+            hidden = inner(mx.array(tokens[start : start + PREFILL_STEP])[None], cache=cache)
+            mx.eval(hidden, [c.state for c in cache])
+
+
+def generate_tokens(
+    model: nn.Module, prompt: list[int], max_tokens: int, sampler: Any
+) -> Iterator[tuple[mx.array, mx.array]]:
+    """mlx-lm's generate_step after our own prefill of all but the last prompt token.
+    Lazy: the prefill runs on the first next()."""
+    cache = make_prompt_cache(model)
+    prefill(model, prompt[:-1], cache)
+    yield from generate_step(mx.array(prompt[-1:]), model, max_tokens=max_tokens, sampler=sampler, prompt_cache=cache)
 
 
 @dataclass
@@ -114,7 +138,7 @@ class MlxEngine:
         if self.group is None:
             return ops
         payload = json.dumps(ops).encode() if ops else None
-        received = broadcast_bytes(None if self.is_follower else payload, self.group)
+        received = broadcast_bytes(None if self.is_follower else payload, self.group, generation_stream)
         return json.loads(received) if received else []
 
     def _apply_ops(self) -> list[str]:
@@ -138,12 +162,7 @@ class MlxEngine:
         max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
         self._requests[request_id] = _Request(
             request_id=request_id,
-            tokens=generate_step(
-                mx.array(prompt),
-                self.model,
-                max_tokens=max_tokens,
-                sampler=self._sampler(params),
-            ),
+            tokens=generate_tokens(self.model, prompt, max_tokens, self._sampler(params)),
             detokenizer=self.tokenizer.detokenizer,
             stop_filter=StopSequenceFilter(params.stop),
             max_tokens=max_tokens,

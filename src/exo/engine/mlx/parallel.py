@@ -118,14 +118,16 @@ def shard_model(model: nn.Module, shard: ShardMetadata, group: mx.distributed.Gr
         apply_pipeline(model, shard, group)
 
 
-def broadcast_bytes(payload: bytes | None, group: mx.distributed.Group) -> bytes:
+def broadcast_bytes(payload: bytes | None, group: mx.distributed.Group, stream: Any) -> bytes:
     """Rank 0's payload, on every rank (others pass None). Two small all-sums: the size,
-    then the bytes."""
+    then the bytes. `stream` must be the one generation runs on: collectives of one
+    group must run in the same order on every rank, and a token's forward pass may still
+    be in flight (mlx-lm evaluates the next token asynchronously)."""
     is_root = group.rank() == 0
-    size = mx.distributed.all_sum(mx.array([len(payload) if is_root and payload else 0]), group=group)
+    size = mx.distributed.all_sum(mx.array([len(payload) if is_root and payload else 0]), group=group, stream=stream)
     n = int(size.item())
     if n == 0:
         return b""
     data = mx.array(list(payload), dtype=mx.int32) if is_root and payload else mx.zeros((n,), dtype=mx.int32)
-    total = mx.distributed.all_sum(data, group=group)
+    total = mx.distributed.all_sum(data, group=group, stream=stream)
     return bytes(total.astype(mx.uint8).tolist())
