@@ -154,7 +154,12 @@ def test_find_model_when_there_is_no_download_record(card: ModelCard):
     assert plan(NODE, state, {}, NOW) == FindModel(INSTANCE)
 
 
-def test_find_model_while_the_download_is_ongoing(card: ModelCard):
+def test_wait_while_this_worker_downloads_the_model(card: ModelCard):
+    state = single_node_state(card, download=DownloadOngoing(downloaded_bytes=1, total_bytes=10))
+    assert plan(NODE, state, {}, NOW, downloading=frozenset({card.model_id})) is None
+
+
+def test_look_again_for_a_download_an_earlier_run_left_unfinished(card: ModelCard):
     state = single_node_state(card, download=DownloadOngoing(downloaded_bytes=1, total_bytes=10))
     assert plan(NODE, state, {}, NOW) == FindModel(INSTANCE)
 

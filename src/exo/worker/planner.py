@@ -3,7 +3,7 @@ worker knows about its own runner processes."""
 
 from dataclasses import dataclass
 
-from exo.shared.types.common import InstanceId, NodeId, RunnerId, TaskId
+from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.downloads import DownloadCompleted, DownloadFailed
 from exo.shared.types.instances import Instance
 from exo.shared.types.runners import (
@@ -84,7 +84,14 @@ class CancelTask:
 PlannerAction = CreateRunner | ShutdownRunner | DeleteFailedInstance | FindModel | RunnerStep | ForwardTask | CancelTask
 
 
-def plan(node_id: NodeId, state: State, local: dict[RunnerId, LocalRunner], now: float) -> PlannerAction | None:
+def plan(
+    node_id: NodeId,
+    state: State,
+    local: dict[RunnerId, LocalRunner],
+    now: float,
+    downloading: frozenset[ModelId] = frozenset(),
+) -> PlannerAction | None:
+    """`downloading`: models this worker process is downloading right now."""
     for runner in local.values():
         if runner.instance_id not in state.instances and not runner.exited:
             return ShutdownRunner(runner.runner_id)
@@ -93,7 +100,7 @@ def plan(node_id: NodeId, state: State, local: dict[RunnerId, LocalRunner], now:
         runner_id = instance.shard_assignments.node_to_runner.get(node_id)
         if runner_id is None:
             continue
-        action = _plan_instance(node_id, state, instance, runner_id, local.get(runner_id), now)
+        action = _plan_instance(node_id, state, instance, runner_id, local.get(runner_id), now, downloading)
         if action is not None:
             return action
     return None
@@ -106,12 +113,14 @@ def _plan_instance(
     runner_id: RunnerId,
     runner: LocalRunner | None,
     now: float,
+    downloading: frozenset[ModelId],
 ) -> PlannerAction | None:
     download = state.downloads.get(node_id, {}).get(instance.model_id)
     if isinstance(download, DownloadFailed):
         return DeleteFailedInstance(instance.instance_id, f"model unavailable: {download.error_message}")
     if not isinstance(download, DownloadCompleted):
-        return FindModel(instance.instance_id)
+        # No record yet, or one left by an earlier run of this node: look (again).
+        return None if instance.model_id in downloading else FindModel(instance.instance_id)
 
     if runner is None:
         return CreateRunner(instance.instance_id, runner_id)

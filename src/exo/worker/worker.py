@@ -11,11 +11,17 @@ import psutil
 from loguru import logger
 
 from exo.routing.router import Router, Topic
-from exo.shared.models.model_cards import find_local_model_dir
+from exo.shared.models.model_cards import find_local_model_dir, models_dirs
 from exo.shared.replica import StateReplica
 from exo.shared.types.commands import DeleteInstance
-from exo.shared.types.common import NodeId, RunnerId, TaskId
-from exo.shared.types.downloads import DownloadCompleted, DownloadFailed
+from exo.shared.types.common import ModelId, NodeId, RunnerId, TaskId
+from exo.shared.types.downloads import (
+    DownloadCompleted,
+    DownloadFailed,
+    DownloadOngoing,
+    DownloadPending,
+    DownloadProgress,
+)
 from exo.shared.types.events import (
     Event,
     NodeDownloadProgress,
@@ -25,6 +31,7 @@ from exo.shared.types.events import (
 )
 from exo.shared.types.nodes import MemoryInfo, NodeInfo
 from exo.shared.types.text_generation import ChunkGenerated
+from exo.worker.download import DownloadError, download_model
 from exo.worker.link_probes import PROBE_TIMEOUT_SECONDS, local_interfaces, probe_peer, worth_reporting
 from exo.worker.planner import (
     CancelTask,
@@ -47,6 +54,7 @@ from exo.worker.runner_protocol import (
 from exo.worker.supervisor import RunnerSupervisor
 
 NODE_INFO_INTERVAL_SECONDS = 10.0
+DOWNLOAD_REPORT_SECONDS = 1.0
 LINK_PROBE_INTERVAL_SECONDS = 3.0
 # Report memory again only when it moved this much, to keep the event log small.
 MEMORY_REPORT_THRESHOLD_BYTES = 512 * 2**20
@@ -54,7 +62,14 @@ MEMORY_REPORT_THRESHOLD_BYTES = 512 * 2**20
 
 class Worker:
     def __init__(
-        self, node_id: NodeId, router: Router, replica: StateReplica, exo_home: Path, api_port: int, verbose: bool
+        self,
+        node_id: NodeId,
+        router: Router,
+        replica: StateReplica,
+        exo_home: Path,
+        api_port: int,
+        verbose: bool,
+        offline: bool = False,
     ) -> None:
         self.node_id = node_id
         self.router = router
@@ -62,7 +77,9 @@ class Worker:
         self.exo_home = exo_home
         self.api_port = api_port
         self.verbose = verbose
+        self.offline = offline
         self.supervisors: dict[RunnerId, RunnerSupervisor] = {}
+        self._downloads: dict[ModelId, asyncio.Task[None]] = {}
         self.forwarded: dict[RunnerId, set[TaskId]] = {}
         self.exited_at: dict[RunnerId, float] = {}
         self._wake = asyncio.Event()
@@ -118,7 +135,9 @@ class Worker:
     async def _plan_loop(self) -> None:
         while True:
             self._wake.clear()
-            action = plan(self.node_id, self.replica.state, self._local_runners(), time.monotonic())
+            action = plan(
+                self.node_id, self.replica.state, self._local_runners(), time.monotonic(), frozenset(self._downloads)
+            )
             if action is None:
                 # Re-plan at least every half second: restart backoffs are time-based.
                 try:
@@ -155,8 +174,12 @@ class Worker:
         match action:
             case FindModel(instance_id=instance_id):
                 model_id = state.instances[instance_id].model_id
+                previous = state.downloads.get(self.node_id, {}).get(model_id)
                 self._find_model(model_id)
-                await self.replica.wait_for(lambda s: model_id in s.downloads.get(self.node_id, {}), timeout=10)
+                # Wait for our report to come back, so the planner sees it.
+                await self.replica.wait_for(
+                    lambda s: s.downloads.get(self.node_id, {}).get(model_id) is not previous, timeout=10
+                )
             case CreateRunner(instance_id=instance_id, runner_id=runner_id, attempt=attempt):
                 old = self.supervisors.pop(runner_id, None)
                 if old is not None:
@@ -202,19 +225,49 @@ class Worker:
         assert isinstance(download, DownloadCompleted)
         return LoadModel(model_dir=download.path)
 
-    def _find_model(self, model_id: str) -> None:
+    def _find_model(self, model_id: ModelId) -> None:
+        """Use a local copy, or download one in the background, reporting progress."""
         model_dir = find_local_model_dir(model_id, self.exo_home)
-        if model_dir is None:
-            progress = DownloadFailed(
-                error_message=f"{model_id} is not in any models directory on node {self.node_id} "
-                "(downloading from a hub is not available in this build)"
-            )
-        else:
+        if model_dir is not None:
             size = sum(f.stat().st_size for f in model_dir.iterdir() if f.is_file())
-            progress = DownloadCompleted(total_bytes=size, path=str(model_dir))
+            self._report_download(model_id, DownloadCompleted(total_bytes=size, path=str(model_dir)))
+        elif self.offline:
+            message = f"{model_id} is not in any models directory on node {self.node_id}, and the node is offline"
+            self._report_download(model_id, DownloadFailed(error_message=message))
+        else:
+            self._report_download(model_id, DownloadPending())
+            task = asyncio.create_task(self._download(model_id), name=f"download {model_id}")
+            self._downloads[model_id] = task
+
+    async def _download(self, model_id: ModelId) -> None:
+        last_report = 0.0
+
+        def on_progress(downloaded: int, total: int, bytes_per_second: float) -> None:
+            nonlocal last_report
+            # One event a second is plenty for a progress bar, and keeps the log small.
+            if time.monotonic() - last_report >= DOWNLOAD_REPORT_SECONDS:
+                last_report = time.monotonic()
+                progress = DownloadOngoing(
+                    downloaded_bytes=downloaded, total_bytes=total, bytes_per_second=bytes_per_second
+                )
+                self._report_download(model_id, progress)
+
+        try:
+            path = await download_model(model_id, models_dirs(self.exo_home)[0], on_progress)
+        except DownloadError as error:
+            self._report_download(model_id, DownloadFailed(error_message=str(error)))
+            return
+        finally:
+            self._downloads.pop(model_id, None)
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        self._report_download(model_id, DownloadCompleted(total_bytes=size, path=str(path)))
+
+    def _report_download(self, model_id: ModelId, progress: DownloadProgress) -> None:
         self.emit(NodeDownloadProgress(node_id=self.node_id, model_id=model_id, progress=progress))
 
     async def close(self) -> None:
+        for download in self._downloads.values():
+            download.cancel()
         for supervisor in list(self.supervisors.values()):
             await supervisor.shutdown()
         self.supervisors.clear()
