@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from loguru import logger
 
+from exo.master.placement import PlacementError, place_instance
 from exo.routing.router import Router, Topic
 from exo.shared.replica import StateReplica
 from exo.shared.types.commands import (
@@ -39,6 +40,7 @@ from exo.shared.types.events import (
     TaskDeleted,
     TaskStatusUpdated,
 )
+from exo.shared.types.instances import Instance
 from exo.shared.types.runners import SERVING_STATUSES
 from exo.shared.types.state import State
 from exo.shared.types.tasks import (
@@ -109,10 +111,23 @@ class Master:
             self._drop_orphaned_tasks()
 
     def node_left(self, node_id: NodeId) -> None:
-        for instance in list(self.state.instances.values()):
-            if node_id in instance.shard_assignments.node_to_runner:
-                self._delete_instance(instance.instance_id, f"node {node_id} left the cluster")
+        lost = [i for i in self.state.instances.values() if node_id in i.shard_assignments.node_to_runner]
+        for instance in lost:
+            self._delete_instance(instance.instance_id, f"node {node_id} left the cluster")
         self.emit(NodeTimedOut(node_id=node_id))
+        for instance in lost:
+            self._replace(instance)
+
+    def _replace(self, lost: Instance) -> None:
+        """Put a model that lost a node back on the nodes that remain, if it fits."""
+        card = next(iter(lost.shard_assignments.runner_to_shard.values())).model_card
+        try:
+            instance = place_instance(self.state, card, lost.sharding)
+        except PlacementError as error:
+            logger.warning(f"cannot re-place {card.model_id} after losing a node: {error}")
+            return
+        logger.info(f"re-placing {card.model_id} on {list(instance.shard_assignments.node_to_runner)}")
+        self.emit(InstanceCreated(instance=instance))
 
     async def _consume_commands(self) -> None:
         while True:

@@ -126,6 +126,7 @@ class Runner:
                         self.engine.cancel(command_id)
                         del self.active[command_id]
                         self.conn.send(ChunkGenerated(command_id=command_id, finish_reason="cancelled"))
+                        self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Cancelled))
                 self._maybe_ready()
             case Shutdown():
                 self._shut_down()

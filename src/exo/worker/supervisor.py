@@ -72,6 +72,8 @@ class RunnerSupervisor:
             self._on_exit()
 
     def cancel(self, task_id: TaskId) -> None:
+        # No longer in flight from here on, so the planner asks only once.
+        self.in_flight.pop(task_id, None)
         self.send(CancelRunnerTask(task_id=task_id))
 
     def _on_readable(self) -> None:

@@ -1,0 +1,112 @@
+"""Instances split over two real nodes (pipeline and tensor, over the MLX ring) serve
+through the API like a single-node instance."""
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from cluster import loopback_cluster, wait_converged
+from conftest import TINY_MODEL_ID
+
+PROMPT = [{"role": "user", "content": "Hello there, tell me about clusters"}]
+
+
+def place_and_wait(node, sharding: str, min_nodes: int) -> str:
+    response = node.post("/place_instance", json={"model_id": TINY_MODEL_ID, "sharding": sharding, "min_nodes": min_nodes})
+    assert response.status_code == 200, response.text
+    instance_id = response.json()["instance_id"]
+    with httpx.stream("GET", f"{node.url}/instance/await", params={"instance_id": instance_id}, timeout=180) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith(("event:", "data:"))]
+    assert "event: ready" in events, events[-4:]
+    return instance_id
+
+
+def delete_and_wait(node, instance_id: str) -> None:
+    assert node.delete(f"/instance/{instance_id}").status_code == 200
+    node.wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=30, what="instance gone")
+
+
+def greedy(node, max_tokens: int = 24) -> str:
+    sdk = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    completion = sdk.chat.completions.create(model=TINY_MODEL_ID, messages=PROMPT, max_tokens=max_tokens, temperature=0)
+    return completion.choices[0].message.content
+
+
+@pytest.fixture
+def two_nodes(tmp_path, tiny_models_dir):
+    with loopback_cluster(2, tmp_path, {"EXO_MODELS_DIRS": str(tiny_models_dir)}) as nodes:
+        wait_converged(nodes)
+        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 2, timeout=30, what="links measured")
+        yield nodes
+
+
+def test_pipeline_and_tensor_instances_answer_like_a_single_node(two_nodes):
+    answers = {}
+    for sharding, min_nodes in (("Pipeline", 1), ("Pipeline", 2), ("Tensor", 2)):
+        instance_id = place_and_wait(two_nodes[0], sharding, min_nodes)
+        instance = two_nodes[0].get(f"/instance/{instance_id}").json()
+        assert len(instance["shardAssignments"]["nodeToRunner"]) == min_nodes
+        # Ask through the node that is not rank 0 too: chunks cross the cluster.
+        answers[(sharding, min_nodes)] = (greedy(two_nodes[0]), greedy(two_nodes[1]))
+        delete_and_wait(two_nodes[0], instance_id)
+    single = answers[("Pipeline", 1)]
+    assert single[0] == single[1] and len(single[0]) > 0
+    assert answers[("Pipeline", 2)] == single
+    assert answers[("Tensor", 2)] == single
+
+
+def test_cancelling_a_split_instance_request_frees_both_ranks(two_nodes):
+    place_and_wait(two_nodes[0], "Pipeline", 2)
+    # Abort a long stream mid-decode by closing the connection.
+    with httpx.stream(
+        "POST",
+        f"{two_nodes[1].url}/v1/chat/completions",
+        json={"model": TINY_MODEL_ID, "messages": PROMPT, "max_tokens": 5000, "temperature": 0, "stream": True},
+        timeout=60,
+    ) as response:
+        for number, _ in enumerate(response.iter_lines()):
+            if number > 20:
+                break
+    two_nodes[0].wait_for_state(lambda s: s["tasks"] == {}, timeout=10, what="task dropped")
+    # Both ranks are free again: the next request completes.
+    done = threading.Event()
+    result = {}
+
+    def ask():
+        result["text"] = greedy(two_nodes[0], max_tokens=8)
+        done.set()
+
+    threading.Thread(target=ask, daemon=True).start()
+    assert done.wait(60), "the next request hung after a cancellation"
+    assert result["text"]
+
+
+def test_killing_one_rank_fails_the_request_and_the_model_moves_to_the_survivor(two_nodes):
+    instance_id = place_and_wait(two_nodes[0], "Pipeline", 2)
+    state = two_nodes[0].state()
+    master = state["masterNodeId"]
+    victim = next(n for n in two_nodes if n.node_id() != master)
+    survivor = next(n for n in two_nodes if n.node_id() == master)
+    sdk = openai.OpenAI(base_url=f"{survivor.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = sdk.chat.completions.create(model=TINY_MODEL_ID, messages=PROMPT, max_tokens=5000, temperature=0, stream=True)
+    started = None
+    with pytest.raises(openai.APIError):
+        for number, _ in enumerate(stream):
+            if number == 10:
+                os.killpg(victim.process.pid, signal.SIGKILL)
+                started = time.monotonic()
+    assert started is not None and time.monotonic() - started < 15, "the client waited too long for the error"
+    state = survivor.wait_for_state(lambda s: instance_id not in s["instances"], timeout=30, what="instance torn down")
+    assert instance_id in state["instanceDeletions"]
+    # The model fits on the survivor alone, so it is placed there again and serves.
+    state = survivor.wait_for_state(
+        lambda s: [r["kind"] for r in s["runners"].values()] == ["RunnerReady"], timeout=60, what="re-placed"
+    )
+    (replacement,) = state["instances"].values()
+    assert list(replacement["shardAssignments"]["nodeToRunner"]) == [survivor.node_id()]
+    assert greedy(survivor, max_tokens=4)
