@@ -73,6 +73,17 @@ def test_links_are_measured_and_the_cluster_survives_its_master(tmp_path, tiny_m
             )
             assert completion.usage.completion_tokens > 0
 
+        # The new master places new instances too.
+        assert survivors[1].delete(f"/instance/{instance_id}").status_code == 200
+        survivors[1].wait_for_state(lambda s: s["instances"] == {}, timeout=15, what="deleted")
+        new_instance = survivors[1].place()
+        assert new_instance in survivors[0].wait_for_state(lambda s: new_instance in s["instances"])["instances"]
+        sdk = openai.OpenAI(base_url=f"{survivors[0].url}/v1", api_key="unused", max_retries=0, timeout=60)
+        completion = sdk.chat.completions.create(
+            model=TINY_MODEL_ID, messages=[{"role": "user", "content": "and now?"}], max_tokens=4
+        )
+        assert completion.usage.completion_tokens > 0
+
 
 def test_requests_go_to_the_least_loaded_instance(tmp_path, tiny_models_dir):
     import threading
