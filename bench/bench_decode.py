@@ -51,34 +51,53 @@ def direct_decode_tps(model_dir: Path, tokens: int) -> float:
     return count / (time.perf_counter() - start)
 
 
+def streamed_decode_tps(url: str, model_id: str, tokens: int) -> tuple[float, int]:
+    """Decode tokens/s as a client sees it: streamed tokens over the time between the
+    first and the last, with the token count from usage."""
+    body = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    times: list[float] = []
+    generated = 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None:
+                times.append(time.perf_counter())
+            if chunk.get("usage"):
+                generated = chunk["usage"]["completion_tokens"]
+    return (generated - 1) / (times[-1] - times[0]), generated
+
+
 def api_decode_tps(model_dir: Path, model_id: str, tokens: int) -> tuple[float, int]:
     with tempfile.TemporaryDirectory() as home:
         node = start_node(Path(home), {"EXO_MODELS_DIRS": str(model_dir.parent)})
         try:
             node.place(model_id, timeout=600)
-            body = {
-                "model": model_id,
-                "messages": [{"role": "user", "content": PROMPT}],
-                "max_tokens": tokens,
-                "temperature": 0.0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            times: list[float] = []
-            with httpx.stream("POST", f"{node.url}/v1/chat/completions", json=body, timeout=600) as response:
-                for line in response.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[len("data: ") :])
-                    if chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None:
-                        times.append(time.perf_counter())
-                    if chunk.get("usage"):
-                        generated = chunk["usage"]["completion_tokens"]
-            # A chunk can hold no text (a partial UTF-8 character) but still be a token;
-            # use the token count from usage over the streamed time span.
-            return (generated - 1) / (times[-1] - times[0]), generated
+            return streamed_decode_tps(node.url, model_id, tokens)
         finally:
             stop_node(node)
+
+
+def bench_model(scratch: Path) -> tuple[Path, str]:
+    """A random float32 Llama big enough that compute, not overhead, sets the pace."""
+    model_dir = make_tiny_llama(
+        scratch / "bench--random-llama",
+        hidden_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        intermediate_size=2816,
+        vocab_size=4096,
+    )
+    return model_dir, "bench/random-llama"
 
 
 def main() -> None:
@@ -89,16 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         if args.model_dir is None:
-            model_id = "bench/random-llama"
-            model_dir = make_tiny_llama(
-                Path(scratch) / "bench--random-llama",
-                hidden_size=1024,
-                num_hidden_layers=8,
-                num_attention_heads=16,
-                num_key_value_heads=4,
-                intermediate_size=2816,
-                vocab_size=4096,
-            )
+            model_dir, model_id = bench_model(Path(scratch))
         else:
             model_dir, model_id = args.model_dir, args.model_id
         before = direct_decode_tps(model_dir, args.tokens)
