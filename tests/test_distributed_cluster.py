@@ -110,3 +110,56 @@ def test_killing_one_rank_fails_the_request_and_the_model_moves_to_the_survivor(
     (replacement,) = state["instances"].values()
     assert list(replacement["shardAssignments"]["nodeToRunner"]) == [survivor.node_id()]
     assert greedy(survivor, max_tokens=4)
+
+
+THREE_WAY_MODEL_ID = "acme/tiny3"
+
+
+@pytest.fixture(scope="module")
+def three_way_models_dir(tmp_path_factory):
+    """3 layers, and widths divisible by 3, so pipeline and tensor both split 3 ways."""
+    from exo.devtools.tiny_models import make_tiny_llama
+
+    models_dir = tmp_path_factory.mktemp("models3")
+    make_tiny_llama(
+        models_dir / "acme--tiny3",
+        hidden_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        intermediate_size=192,
+    )
+    return models_dir
+
+
+@pytest.mark.parametrize("network", ["loopback", "netns"])
+def test_three_node_pipeline_and_tensor_answer_like_one_node(network, tmp_path, three_way_models_dir):
+    from cluster import netns_cluster
+
+    make_cluster = loopback_cluster if network == "loopback" else netns_cluster
+    with make_cluster(3, tmp_path, {"EXO_MODELS_DIRS": str(three_way_models_dir)}) as nodes:
+        wait_converged(nodes, timeout=60)
+        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 6, timeout=60, what="6 links")
+        sdk = openai.OpenAI(base_url=f"{nodes[2].url}/v1", api_key="unused", max_retries=0, timeout=120)
+        answers = {}
+        for sharding, min_nodes in (("Pipeline", 1), ("Pipeline", 3), ("Tensor", 3)):
+            response = nodes[0].post(
+                "/place_instance", json={"model_id": THREE_WAY_MODEL_ID, "sharding": sharding, "min_nodes": min_nodes}
+            )
+            assert response.status_code == 200, response.text
+            instance_id = response.json()["instance_id"]
+            nodes[2].wait_for_state(  # the node we ask sees it ready
+                lambda s, i=instance_id: s["instances"].get(i)
+                and all(
+                    s["runners"].get(r, {}).get("kind") == "RunnerReady"
+                    for r in s["instances"][i]["shardAssignments"]["runnerToShard"]
+                ),
+                timeout=180,
+                what=f"{sharding} x{min_nodes} ready",
+            )
+            answers[(sharding, min_nodes)] = sdk.chat.completions.create(
+                model=THREE_WAY_MODEL_ID, messages=PROMPT, max_tokens=16, temperature=0
+            ).choices[0].message.content
+            delete_and_wait(nodes[0], instance_id)
+        assert answers[("Pipeline", 3)] == answers[("Pipeline", 1)]
+        assert answers[("Tensor", 3)] == answers[("Pipeline", 1)]

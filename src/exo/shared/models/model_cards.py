@@ -6,6 +6,7 @@ derived from its config.json, so local models show up without any network call.
 """
 
 import functools
+import importlib.util
 import json
 import os
 import tomllib
@@ -173,6 +174,17 @@ def _config_value(config: dict, key: str) -> int | None:
     return config.get("text_config", {}).get(key)
 
 
+def has_tensor_strategy(model_type: str) -> bool:
+    """Whether mlx-lm can split this architecture across ranks (its model module has a
+    `shard` method). Read from the source, so the node process need not import MLX;
+    whether a given node count divides the model is placement's question."""
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or spec.origin is None or not model_type.isidentifier():
+        return False
+    module = Path(spec.origin).parent / "models" / f"{model_type}.py"
+    return module.exists() and "def shard(" in module.read_text(encoding="utf-8")
+
+
 def card_from_model_dir(model_dir: Path, model_id: str) -> ModelCard:
     """A card derived from config.json alone, for models exo has no built-in card for."""
     config = json.loads((model_dir / "config.json").read_text())
@@ -191,7 +203,7 @@ def card_from_model_dir(model_dir: Path, model_id: str) -> ModelCard:
         n_layers=n_layers,
         hidden_size=hidden_size,
         num_key_value_heads=kv_heads,
-        supports_tensor=hidden_size % 2 == 0 and kv_heads is not None and kv_heads % 2 == 0,
+        supports_tensor=has_tensor_strategy(config.get("model_type", "")),
         tasks=[ModelTask.TextGeneration],
         family=config.get("model_type", ""),
         quantization=f"{bits}bit" if bits else "",
