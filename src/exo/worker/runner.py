@@ -1,8 +1,11 @@
 """The runner subprocess: owns one engine and one model shard, and does what its
 supervisor says. Its own process, so a crash in native code cannot take the node down."""
 
+import os
 import signal
 import sys
+import threading
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -155,12 +158,26 @@ class Runner:
             self.set_status(RunnerReady())
 
 
+def _exit_when_orphaned() -> None:
+    """A runner blocked in a collective never reads its pipe, so it would not notice its
+    node dying; a watchdog thread ends it once the parent is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="orphan-watchdog", daemon=True).start()
+
+
 def runner_main(conn: Connection, runner_id: RunnerId, instance: Instance, verbose: bool) -> None:
     """Entry point of the spawned process."""
     # Ctrl-C and SIGTERM reach the whole process group; the supervisor shuts the runner
     # down in order instead, and if the node dies outright the pipe closes and we exit.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_when_orphaned()
     logger.remove()
     logger.add(sys.stderr, level="DEBUG" if verbose else "INFO", format=f"runner {runner_id[:8]} | {{message}}")
     from exo.engine.mlx.engine import MlxEngine  # MLX is imported only in runners
