@@ -220,3 +220,21 @@ def test_an_instance_that_keeps_failing_is_retried_then_deleted_with_its_reason(
         assert attempts == [1, 2, 3]
     finally:
         stop_node(node)
+
+
+def test_runners_do_not_outlive_a_killed_node(exo_node: ExoNode):
+    import os
+    import signal
+
+    import psutil
+
+    exo_node.place()
+    runner_pids = exo_node.runner_pids()
+    assert runner_pids
+    os.kill(exo_node.process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    alive = runner_pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in runner_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], "runner processes were left behind"
