@@ -91,16 +91,55 @@ def apply_pipeline(model: nn.Module, shard: PipelineShardMetadata, group: mx.dis
     _fix_layer_indices(inner, shard.start_layer, shard.end_layer)
 
 
+class _SoloGroup:
+    """A one-rank group: lets an mlx-lm PipelineMixin model recompute its per-rank indices."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+
 def _fix_layer_indices(inner: nn.Module, start: int, end: int) -> None:
-    """Some models pick a mask or cache by a layer's index into the full stack; after
-    slicing, those indices must point into this rank's layers."""
+    """Some models pick a mask or cache by a layer's index into the full stack, or zip
+    their layers with a per-layer list; after slicing, both must describe this rank's layers."""
     local = list(inner.layers)
-    for name, wanted in (("fa_idx", False), ("swa_idx", True)):
+    layer_types = getattr(inner, "layer_types", None)
+    if isinstance(layer_types, list) and len(layer_types) > len(local):
+        # gpt-oss zips its layers with layer_types and builds its caches from it.
+        inner.layer_types = layer_types = layer_types[start:end]
+    for name in ("num_hidden_layers", "num_layers"):
+        if isinstance(getattr(inner, name, None), int):
+            setattr(inner, name, end - start)
+    if callable(getattr(inner, "pipeline", None)):
+        # mlx-lm's PipelineMixin models (ministral3, qwen3_next, qwen3_5, ...) recompute
+        # their fa_idx / swa_idx / ssm_idx from the layers they hold; with one rank,
+        # pipeline() changes nothing else.
+        inner.pipeline(_SoloGroup())
+        return
+
+    def kind(i: int, layer: nn.Module) -> str:
+        if getattr(layer, "is_linear", False):
+            return "linear"
+        sliding = getattr(layer, "use_sliding", getattr(layer, "is_sliding", None))
+        if sliding is None and isinstance(layer_types, list):
+            sliding = layer_types[i] == "sliding_attention"
+        return "sliding" if sliding else "full"
+
+    kinds = [kind(i, layer) for i, layer in enumerate(local)]
+    wanted = {
+        "fa_idx": "full",
+        "ga_idx": "full",
+        "_full_idx": "full",
+        "swa_idx": "sliding",
+        "_swa_idx": "sliding",
+        "ssm_idx": "linear",
+    }
+    for name, layer_kind in wanted.items():
         if hasattr(inner, name):
-            index = next((i for i, layer in enumerate(local) if bool(getattr(layer, "use_sliding", False)) == wanted), None)
-            setattr(inner, name, index if index is not None else 0)
-    if hasattr(inner, "num_hidden_layers"):
-        inner.num_hidden_layers = end - start
+            # Without such a layer on this rank the mask goes unused; any valid index will do.
+            setattr(inner, name, kinds.index(layer_kind) if layer_kind in kinds else 0)
 
 
 def apply_tensor(model: nn.Module, shard: TensorShardMetadata, group: mx.distributed.Group) -> None:
