@@ -5,6 +5,7 @@ them."""
 
 import asyncio
 import json
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -48,7 +49,7 @@ def adapter(topic: Topic) -> TypeAdapter[Any]:
 class Transport(Protocol):
     """Carries encoded messages to the other nodes of the cluster."""
 
-    def start(self, on_message: "callable[[Topic, bytes], None]") -> None: ...
+    def start(self, on_message: Callable[[Topic, bytes], None]) -> None: ...
 
     def send(self, topic: Topic, payload: bytes) -> None: ...
 

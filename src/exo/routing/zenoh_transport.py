@@ -66,9 +66,6 @@ class ZenohTransport:
     def send(self, topic: Topic, payload: bytes) -> None:
         self._publishers[topic].put(payload)
 
-    def peer_count(self) -> int:
-        return len(list(self.session.info.peers_zid())) if self.session else 0
-
     def close(self) -> None:
         if self.session is not None:
             self.session.close()
