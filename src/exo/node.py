@@ -80,7 +80,6 @@ class Node:
         )
         self.election = Election(self.node_id, self.session_id, self.router, self._on_elected, config.force_master)
         self._tasks: list[asyncio.Task[None]] = []
-        self._unsent_commands: list[Command] = []
 
     def cards(self) -> dict[str, ModelCard]:
         """Built-in and local cards, and the custom ones the cluster was given."""
@@ -88,10 +87,6 @@ class Node:
 
     def send_command(self, command: Command) -> None:
         self.election.commands_seen += 1
-        if self.election.master_id is None:
-            # Nobody would hear it yet; it goes out once a master is elected.
-            self._unsent_commands.append(command)
-            return
         self.router.publish(Topic.COMMANDS, command)
 
     async def _on_elected(self, master_id: NodeId) -> None:
@@ -106,9 +101,10 @@ class Node:
             assert self._master_task is not None
             self._master_task.cancel()
             self.master = None
-        unsent, self._unsent_commands = self._unsent_commands, []
-        for command in unsent:
-            self.router.publish(Topic.COMMANDS, command)
+        self.router.master_elected()
+        if self.worker is not None:
+            # Reports sent while the old master was dying may be lost; repeat them.
+            self.worker.report_runner_statuses()
 
     async def run(self) -> None:
         from exo.api.app import create_app

@@ -56,12 +56,24 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+# Topics only the master reads: with no master elected yet, nobody would hear them.
+TO_MASTER = (Topic.COMMANDS, Topic.LOCAL_EVENTS)
+
+
 class Router:
     def __init__(self, node_id: NodeId, transport: Transport | None = None) -> None:
         self.node_id = node_id
         self.transport = transport
         self._subscribers: dict[Topic, list[asyncio.Queue[Any]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Messages for the master, held until one is elected.
+        self._held: list[tuple[Topic, Any]] | None = []
+
+    def master_elected(self) -> None:
+        """Send what was held for the master, and from now on send at once."""
+        held, self._held = self._held or [], None
+        for topic, message in held:
+            self.publish(topic, message)
 
     def start(self) -> None:
         """Begin receiving from other nodes; call from the running event loop."""
@@ -80,6 +92,9 @@ class Router:
             subscribers.remove(queue)
 
     def publish(self, topic: Topic, message: Any) -> None:
+        if self._held is not None and topic in TO_MASTER:
+            self._held.append((topic, message))
+            return
         self._deliver(topic, message)
         if self.transport is not None:
             body = adapter(topic).dump_json(message, by_alias=True)

@@ -26,6 +26,7 @@ from exo.shared.types.events import (
     Event,
     NodeDownloadProgress,
     NodeGatheredInfo,
+    RunnerStatusUpdated,
     TopologyEdgeDeleted,
     TopologyEdgeUpdated,
 )
@@ -80,6 +81,7 @@ class Worker:
         self.offline = offline
         self.supervisors: dict[RunnerId, RunnerSupervisor] = {}
         self._downloads: dict[ModelId, asyncio.Task[None]] = {}
+        self._runner_statuses: dict[RunnerId, RunnerStatusUpdated] = {}
         self.forwarded: dict[RunnerId, set[TaskId]] = {}
         self.exited_at: dict[RunnerId, float] = {}
         self._wake = asyncio.Event()
@@ -89,8 +91,15 @@ class Worker:
         self.router.publish(Topic.LOCAL_EVENTS, event)
 
     def _on_runner_event(self, event: Event) -> None:
+        if isinstance(event, RunnerStatusUpdated):
+            self._runner_statuses[event.runner_id] = event
         self.emit(event)
         self._wake.set()
+
+    def report_runner_statuses(self) -> None:
+        for runner_id in self.supervisors:
+            if runner_id in self._runner_statuses:
+                self.emit(self._runner_statuses[runner_id])
 
     def _on_chunk(self, chunk: ChunkGenerated) -> None:
         self.router.publish(Topic.CHUNKS, chunk)
