@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 from mlx_lm.utils import _get_classes
 
-from exo.devtools.tiny_models import TINY_CONFIGS, make_tiny
+from exo.devtools.tiny_configs import TINY_CONFIGS
+from exo.devtools.tiny_models import make_tiny
 
 PROMPT = [(i * 37 + 11) % 320 for i in range(32)]  # every tiny vocab has >= 384 tokens
 DECODE_STEPS = 16

@@ -31,7 +31,12 @@ def build_instance(model_dir: Path, sharding: Sharding, world_size: int, hosts: 
         start, end = ranges[rank] if ranges else (0, card.n_layers)
         shard_type = PipelineShardMetadata if sharding == Sharding.Pipeline else TensorShardMetadata
         shards[RunnerId(f"rank{rank}")] = shard_type(
-            model_card=card, device_rank=rank, world_size=world_size, start_layer=start, end_layer=end, n_layers=card.n_layers
+            model_card=card,
+            device_rank=rank,
+            world_size=world_size,
+            start_layer=start,
+            end_layer=end,
+            n_layers=card.n_layers,
         )
     return Instance(
         instance_id=InstanceId("check"),
