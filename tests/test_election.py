@@ -1,5 +1,6 @@
-from exo.routing.election import Heartbeat, choose_master
+from exo.routing.election import choose_master
 from exo.shared.types.common import NodeId
+from exo.shared.types.election import Heartbeat
 
 
 def candidate(node_id: str, **overrides) -> Heartbeat:

@@ -14,7 +14,8 @@ from collections.abc import Awaitable, Callable
 from loguru import logger
 
 from exo.routing.router import Router, Topic
-from exo.shared.types.common import FrozenModel, NodeId
+from exo.shared.types.common import NodeId
+from exo.shared.types.election import Heartbeat
 
 HEARTBEAT_SECONDS = 0.5
 # A node silent this long has left.
@@ -22,15 +23,6 @@ PEER_TIMEOUT_SECONDS = 3.0
 # Wait this long after a membership change before deciding, so a burst of joins or a
 # node's first moments (when it has not yet heard its peers) produce one decision.
 DEBOUNCE_SECONDS = 1.5
-
-
-class Heartbeat(FrozenModel):
-    node_id: NodeId
-    session_id: str  # new each time the node process starts
-    started_at: float  # unix time the node started; earlier is more senior
-    commands_seen: int
-    clock: int = 0  # election rounds this node has run, for logs
-    force_master: bool = False
 
 
 def election_key(candidate: Heartbeat) -> tuple[bool, float, int, str]:

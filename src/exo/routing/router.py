@@ -14,6 +14,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from exo.shared.types.commands import Command
 from exo.shared.types.common import NodeId
+from exo.shared.types.election import Heartbeat
 from exo.shared.types.events import Event, IndexedEvent
 from exo.shared.types.text_generation import ChunkGenerated
 
@@ -26,23 +27,16 @@ class Topic(StrEnum):
     ELECTION = "election"  # heartbeats and candidacies
 
 
-def _election_adapter() -> TypeAdapter[Any]:
-    from exo.routing.election import Heartbeat
-
-    return TypeAdapter(Heartbeat)
-
-
 _ADAPTERS: dict[Topic, TypeAdapter[Any]] = {
     Topic.COMMANDS: TypeAdapter(Command),
     Topic.LOCAL_EVENTS: TypeAdapter(Event),
     Topic.GLOBAL_EVENTS: TypeAdapter(IndexedEvent),
     Topic.CHUNKS: TypeAdapter(ChunkGenerated),
+    Topic.ELECTION: TypeAdapter(Heartbeat),
 }
 
 
 def adapter(topic: Topic) -> TypeAdapter[Any]:
-    if topic not in _ADAPTERS:
-        _ADAPTERS[topic] = _election_adapter()
     return _ADAPTERS[topic]
 
 

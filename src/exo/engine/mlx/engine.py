@@ -5,7 +5,7 @@ import json
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,6 @@ class _Request:
     submitted_at: float
     first_token_at: float | None = None
     generated: int = 0
-    token_ids: list[int] = field(default_factory=list)
 
 
 class MlxEngine:

@@ -1,0 +1,12 @@
+"""What every node announces about itself, for choosing the master."""
+
+from exo.shared.types.common import FrozenModel, NodeId
+
+
+class Heartbeat(FrozenModel):
+    node_id: NodeId
+    session_id: str  # new each time the node process starts
+    started_at: float  # unix time the node started; earlier is more senior
+    commands_seen: int
+    clock: int = 0  # election rounds this node has run, for logs
+    force_master: bool = False
