@@ -77,13 +77,19 @@ class ExoNode:
         return instance_id
 
     def runner_pids(self) -> list[int]:
+        """Live runner subprocesses of this node; an exited runner the node has not reaped
+        yet (a zombie for a moment) counts as gone."""
         import psutil
 
-        return [
-            child.pid
-            for child in psutil.Process(self.process.pid).children(recursive=True)
-            if "spawn_main" in " ".join(child.cmdline()) and "resource_tracker" not in " ".join(child.cmdline())
-        ]
+        pids = []
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            try:
+                cmdline = " ".join(child.cmdline())
+            except (psutil.ZombieProcess, psutil.NoSuchProcess):
+                continue
+            if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+                pids.append(child.pid)
+        return pids
 
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

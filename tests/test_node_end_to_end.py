@@ -222,11 +222,18 @@ def test_an_instance_that_keeps_failing_is_retried_then_deleted_with_its_reason(
         stop_node(node)
 
 
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_runners_do_not_outlive_a_killed_node(exo_node: ExoNode):
     import os
     import signal
-
-    import psutil
 
     exo_node.place()
     runner_pids = exo_node.runner_pids()
@@ -236,5 +243,5 @@ def test_runners_do_not_outlive_a_killed_node(exo_node: ExoNode):
     alive = runner_pids
     while alive and time.monotonic() < deadline:
         time.sleep(0.2)
-        alive = [p for p in runner_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in runner_pids if _running(p)]
     assert alive == [], "runner processes were left behind"

@@ -49,13 +49,31 @@ class GenerationStats(FrozenModel):
     generation_tokens: int
 
 
+class ToolCall(FrozenModel):
+    """A tool call the model made, already parsed out of its output."""
+
+    id: str
+    name: str
+    # JSON text of the arguments object, as OpenAI carries it.
+    arguments: str
+
+
+class PrefillProgress(FrozenModel):
+    processed_tokens: int
+    total_tokens: int
+
+
 class ChunkGenerated(FrozenModel):
     """One piece of a streamed answer. Chunks are not State: they travel on their own
     topic to the API that asked, never through the event log."""
 
     command_id: CommandId
+    # Answer text; thinking goes in `reasoning`, never in `text`.
     text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = []
     token_ids: list[int] = []
+    prefill: PrefillProgress | None = None
     finish_reason: FinishReason | None = None
     error_message: str | None = None
     usage: Usage | None = None
