@@ -122,6 +122,9 @@ def test_killed_runner_fails_its_stream_and_node_keeps_serving(exo_node: ExoNode
         model=TINY_MODEL_ID,
         messages=[{"role": "user", "content": "tell me everything"}],
         max_tokens=200000,
+        # Greedy, so the random model's answer is the same long one every run (sampled,
+        # it sometimes ended before the kill).
+        temperature=0,
         stream=True,
     )
     received = 0
