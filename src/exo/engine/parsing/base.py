@@ -29,3 +29,27 @@ class StreamParser(Protocol):
 
     def finish(self) -> Parsed:
         """The end of the output: flush what was held back, report what is unclosed."""
+
+
+def find_first(text: str, markers: list[str]) -> tuple[int, str] | None:
+    """The earliest complete marker in text, with its index; ties go to the longer marker
+    so "<|tool_calls_section_begin|>" wins over a shorter marker that is its prefix."""
+    best: tuple[int, str] | None = None
+    for marker in markers:
+        index = text.find(marker)
+        if index < 0:
+            continue
+        if best is None or index < best[0] or (index == best[0] and len(marker) > len(best[1])):
+            best = (index, marker)
+    return best
+
+
+def held_suffix_length(text: str, markers: list[str]) -> int:
+    """How many trailing characters of text could be the start of a marker and must be held
+    back until the next piece shows whether they are one."""
+    longest = max((len(marker) for marker in markers), default=0)
+    for length in range(min(len(text), longest - 1), 0, -1):
+        tail = text[-length:]
+        if any(marker.startswith(tail) for marker in markers):
+            return length
+    return 0
