@@ -1,0 +1,136 @@
+"""One parser for a model's whole output: thinking, answer text and tool calls.
+
+The engine builds it once per request from the model's family and the request's tools:
+the reasoning parser splits thinking off first, and only the answer text goes on to the
+tool-call parser, so a call the model merely thinks about is never run."""
+
+from typing import Any
+
+from exo.engine.parsing.base import Parsed, StreamParser
+from exo.engine.parsing.harmony import HarmonyParser
+from exo.engine.parsing.reasoning import ReasoningParser
+from exo.engine.parsing.tool_calls import ToolCallParser, tool_call_format
+
+# Think markers by HF config model_type. Gemma 4's start marker includes the newline its
+# template always writes after "thought", so reasoning does not begin with it.
+THINK_MARKERS: dict[str, tuple[str, str]] = {
+    **dict.fromkeys(
+        [
+            "qwen3",
+            "qwen3_moe",
+            "qwen3_next",
+            "qwen3_5",
+            "qwen3_5_moe",
+            "deepseek_v3",
+            "deepseek_v32",
+            "deepseek_v4",
+            "glm4_moe",
+            "glm4_moe_lite",
+            "minimax_m2",
+            # Kimi K2 Thinking uses plain <think>; the ◁think▷ markers are Kimi-VL's.
+            "kimi_k2",
+        ],
+        ("<think>", "</think>"),
+    ),
+    "kimi_vl": ("◁think▷", "◁/think▷"),
+    "gemma4": ("<|channel>thought\n", "<channel|>"),
+}
+
+# The tool-call format when the chat template does not tell (see tool_format_for).
+_TOOL_FORMATS_BY_MODEL_TYPE = {
+    **dict.fromkeys(["qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next"], "json"),
+    **dict.fromkeys(["qwen3_5", "qwen3_5_moe"], "qwen3_coder"),
+    **dict.fromkeys(["glm4_moe", "glm4_moe_lite"], "glm47"),
+    "minimax_m2": "minimax_m2",
+    "kimi_k2": "kimi_k2",
+    "gemma4": "gemma4",
+    **dict.fromkeys(["mistral3", "ministral3"], "mistral"),
+    **dict.fromkeys(["lfm2", "lfm2_moe"], "pythonic"),
+}
+
+
+def think_markers_for(model_type: str) -> tuple[str, str] | None:
+    return THINK_MARKERS.get(model_type)
+
+
+class _TemplateOnly:
+    """Just enough of a tokenizer for mlx-lm's tool parser inference, which reads the
+    chat template first and the vocabulary only as a fallback we do without."""
+
+    def __init__(self, chat_template: str) -> None:
+        self.chat_template = chat_template
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
+
+
+def tool_format_for(model_type: str, chat_template: str | None) -> str | None:
+    """The tool-call format a model writes, named as make_output_parser takes it.
+
+    Harmony and DSML are told by model type (or their template's tokens); the rest the way
+    mlx-lm tells them, from the chat template, falling back on the model type. A format
+    mlx-lm knows and we have no name for comes back as its mlx-lm module name, which
+    make_output_parser also accepts."""
+    template = chat_template or ""
+    if model_type == "gpt_oss" or ("<|channel|>" in template and "<|message|>" in template):
+        return "harmony"
+    if model_type in ("deepseek_v32", "deepseek_v4") or "｜DSML｜" in template:
+        return "dsml"
+    if template:
+        from mlx_lm.tokenizer_utils import _infer_tool_parser
+
+        inferred = _infer_tool_parser(_TemplateOnly(template))
+        if inferred is not None:
+            return "json" if inferred == "json_tools" else inferred
+    return _TOOL_FORMATS_BY_MODEL_TYPE.get(model_type)
+
+
+class OutputParser:
+    """Reasoning first, then tool calls over the answer text; either part may be absent."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tool_calls: StreamParser | None) -> None:
+        self.reasoning = reasoning
+        self.tool_calls = tool_calls
+
+    def feed(self, piece: str) -> Parsed:
+        if self.reasoning is None:
+            return self._tools(Parsed(text=piece), final=False)
+        return self._tools(self.reasoning.feed(piece), final=False)
+
+    def finish(self) -> Parsed:
+        flushed = self.reasoning.finish() if self.reasoning is not None else Parsed()
+        return self._tools(flushed, final=True)
+
+    def _tools(self, parsed: Parsed, final: bool) -> Parsed:
+        if self.tool_calls is None:
+            return parsed
+        out = Parsed(reasoning=parsed.reasoning, error=parsed.error)
+        out.extend(self.tool_calls.feed(parsed.text) if parsed.text else Parsed())
+        if final:
+            out.extend(self.tool_calls.finish())
+        return out
+
+
+def make_output_parser(
+    tool_format: str | None,
+    think_start: str | None,
+    think_end: str | None,
+    starts_in_reasoning: bool,
+    tools: list[dict[str, Any]] | None,
+) -> StreamParser:
+    if tool_format == "harmony":
+        # Harmony's channels carry reasoning and tool calls both; think markers do not apply.
+        return HarmonyParser(tools)
+    reasoning = ReasoningParser(think_start, think_end, starts_in_reasoning) if think_start and think_end else None
+    return OutputParser(reasoning, _tool_call_parser(tool_format, tools))
+
+
+def _tool_call_parser(tool_format: str | None, tools: list[dict[str, Any]] | None) -> StreamParser | None:
+    if tool_format is None:
+        return None
+    if tool_format == "dsml":
+        # Imported here: the DSML parser is its own module and may be absent in a build.
+        from exo.engine.parsing.dsml import DsmlParser
+
+        return DsmlParser(tools=tools)
+    return ToolCallParser(tool_call_format(tool_format), tools)
