@@ -1,4 +1,7 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in the shape of the API the request was for: OpenAI's
+{"error": {"message", "type", "param", "code"}} by default, Anthropic's
+{"type": "error", "error": {"type", "message"}} under /v1/messages, and Ollama's
+{"error": "message"} under /ollama/."""
 
 import json
 
@@ -29,12 +32,43 @@ def _error_type(status_code: int) -> str:
     return "server_error"
 
 
-async def api_error_handler(_request: Request, error: ApiError) -> JSONResponse:
-    body = error_body(error.message, _error_type(error.status_code), error.code, error.param)
-    return JSONResponse(body, status_code=error.status_code)
+def _anthropic_error_type(status_code: int) -> str:
+    if status_code == 404:
+        return "not_found_error"
+    if status_code == 503:
+        return "overloaded_error"
+    if status_code < 500:
+        return "invalid_request_error"
+    return "api_error"
 
 
-async def validation_error_handler(_request: Request, error: RequestValidationError) -> JSONResponse:
+def anthropic_error_body(message: str, status_code: int) -> dict:
+    return {"type": "error", "error": {"type": _anthropic_error_type(status_code), "message": message}}
+
+
+def error_response(
+    request: Request,
+    status_code: int,
+    message: str,
+    error_type: str | None = None,
+    code: str | None = None,
+    param: str | None = None,
+) -> JSONResponse:
+    path = request.url.path
+    if path.startswith("/v1/messages"):
+        body = anthropic_error_body(message, status_code)
+    elif path.startswith("/ollama/"):
+        body = {"error": message}
+    else:
+        body = error_body(message, error_type or _error_type(status_code), code, param)
+    return JSONResponse(body, status_code=status_code)
+
+
+async def api_error_handler(request: Request, error: ApiError) -> JSONResponse:
+    return error_response(request, error.status_code, error.message, code=error.code, param=error.param)
+
+
+async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
     problems = error.errors()
     first = problems[0] if problems else {}
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
@@ -47,13 +81,13 @@ async def validation_error_handler(_request: Request, error: RequestValidationEr
             for problem in problems
         )
         message = f"invalid request: {details}"
-    return JSONResponse(error_body(message, "invalid_request_error", "invalid_request", param), status_code=400)
+    return error_response(request, 400, message, "invalid_request_error", "invalid_request", param)
 
 
-async def http_error_handler(_request: Request, error: StarletteHTTPException) -> JSONResponse:
+async def http_error_handler(request: Request, error: StarletteHTTPException) -> JSONResponse:
     detail = error.detail if isinstance(error.detail, str) else json.dumps(error.detail)
-    return JSONResponse(error_body(detail, _error_type(error.status_code)), status_code=error.status_code)
+    return error_response(request, error.status_code, detail)
 
 
-async def unexpected_error_handler(_request: Request, error: Exception) -> JSONResponse:
-    return JSONResponse(error_body(f"internal error: {error}", "server_error"), status_code=500)
+async def unexpected_error_handler(request: Request, error: Exception) -> JSONResponse:
+    return error_response(request, 500, f"internal error: {error}", "server_error")

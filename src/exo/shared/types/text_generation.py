@@ -31,6 +31,17 @@ class TextGenerationTaskParams(FrozenModel):
     stop: list[str] = []
     tools: list[dict[str, Any]] | None = None
     enable_thinking: bool | None = None
+    # OpenAI's tool_choice ("auto", "none", "required" or {"type": "function", ...}).
+    tool_choice: str | dict[str, Any] | None = None
+    # A raw prompt (text or token ids) to continue as is, bypassing the chat template
+    # and `messages` (legacy Completions, Ollama generate with raw=true).
+    prompt: str | list[int] | None = None
+    # Return the sampled tokens' log-probabilities, with this many alternatives each.
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # With a raw prompt: the prompt tokens come back first in the stream (with their
+    # logprobs when asked), as legacy Completions' echo does.
+    echo: bool = False
 
 
 class Usage(FrozenModel):
