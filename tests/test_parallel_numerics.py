@@ -7,7 +7,7 @@ engine's real loading and sharding code). Every rank's logits for a 32-token pro
 16 greedy decode steps must match the single process within 1e-4, and every rank must
 emit the same tokens.
 
-Tensor cases exist only for architectures whose mlx-lm Model has shard(). To keep the run
+Tensor cases exist for architectures with a strategy (exo's or mlx-lm's). To keep the run
 short, 4-way cases run by default only for llama and deepseek_v3 (MoE + MLA), both ways,
 and for gpt_oss pipeline (4-way puts a rank boundary after an odd layer, which 2-way over
 4 layers does not); EXO_PARALLEL_FULL=1 runs 4-way for every architecture."""
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mlx_lm.utils import _get_classes
 
 from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import make_tiny
+from exo.shared.models.model_cards import has_tensor_strategy
 
 PROMPT = [(i * 37 + 11) % 320 for i in range(32)]  # every tiny vocab has >= 384 tokens
 DECODE_STEPS = 16
@@ -55,10 +55,7 @@ def _n_layers(config: dict) -> int:
 
 
 def _has_tensor_strategy(config: dict) -> bool:
-    """Tensor sharding is mlx-lm's Model.shard; architectures without one (qwen3_next) only
-    split by pipeline."""
-    model_class, _ = _get_classes(config)
-    return hasattr(model_class, "shard")
+    return has_tensor_strategy(config["model_type"])
 
 
 def _cases() -> list:

@@ -25,7 +25,7 @@ def load_shard(
     model, config = load_model(model_dir, lazy=True)
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     # Shard while the weights are still lazy, so only this rank's part is ever read.
-    shard_model(model, shard, group)
+    shard_model(model, config["model_type"], shard, group)
     layers = model_layers(model)
     # Materialise layer by layer so progress is visible and peak memory grows smoothly.
     for loaded, layer in enumerate(layers, 1):

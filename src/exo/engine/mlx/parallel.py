@@ -5,8 +5,8 @@ r > 0 takes its input from rank r-1; the last local layer sends to rank r+1, and
 rank then receives the last rank's hidden state, so all ranks compute the same logits
 and sample the same token.
 
-Tensor: mlx-lm's own `shard(group)` for the architectures that have one (column-split
-in, row-split out, one all-sum per block)."""
+Tensor: exo's own strategy for the architecture where it has one (engine/mlx/sharding),
+else mlx-lm's `shard(group)` (column-split in, row-split out, one all-sum per block)."""
 
 import json
 import os
@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from exo.engine.mlx.sharding import tensor_strategy
 from exo.shared.types.instances import Instance
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 
@@ -142,17 +143,21 @@ def _fix_layer_indices(inner: nn.Module, start: int, end: int) -> None:
             setattr(inner, name, kinds.index(layer_kind) if layer_kind in kinds else 0)
 
 
-def apply_tensor(model: nn.Module, shard: TensorShardMetadata, group: mx.distributed.Group) -> None:
-    if not hasattr(model, "shard"):
-        raise ValueError(f"{type(model).__module__} has no tensor-parallel strategy")
-    model.shard(group)
+def apply_tensor(model: nn.Module, model_type: str, group: mx.distributed.Group) -> None:
+    strategy = tensor_strategy(model_type)
+    if strategy is not None:
+        strategy(model, group)
+    elif hasattr(model, "shard"):
+        model.shard(group)
+    else:
+        raise ValueError(f"{model_type} has no tensor-parallel strategy")
 
 
-def shard_model(model: nn.Module, shard: ShardMetadata, group: mx.distributed.Group | None) -> None:
+def shard_model(model: nn.Module, model_type: str, shard: ShardMetadata, group: mx.distributed.Group | None) -> None:
     if group is None:
         return
     if isinstance(shard, TensorShardMetadata):
-        apply_tensor(model, shard, group)
+        apply_tensor(model, model_type, group)
     else:
         apply_pipeline(model, shard, group)
 

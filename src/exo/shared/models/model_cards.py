@@ -175,11 +175,17 @@ def _config_value(config: dict, key: str) -> int | None:
 
 
 def has_tensor_strategy(model_type: str) -> bool:
-    """Whether mlx-lm can split this architecture across ranks (its model module has a
-    `shard` method). Read from the source, so the node process need not import MLX;
-    whether a given node count divides the model is placement's question."""
+    """Whether exo (engine/mlx/sharding/<model_type>.py) or mlx-lm (a `shard` method in
+    its model module) can split this architecture across ranks. Read from the files, so
+    the node process need not import MLX; whether a given node count divides the model
+    is placement's question."""
+    if not model_type.isidentifier():
+        return False
+    own = Path(__file__).parents[2] / "engine" / "mlx" / "sharding" / f"{model_type}.py"
+    if own.exists():
+        return True
     spec = importlib.util.find_spec("mlx_lm")
-    if spec is None or spec.origin is None or not model_type.isidentifier():
+    if spec is None or spec.origin is None:
         return False
     module = Path(spec.origin).parent / "models" / f"{model_type}.py"
     return module.exists() and "def shard(" in module.read_text(encoding="utf-8")
