@@ -6,12 +6,14 @@ body:
 
     <|channel|>analysis<|message|>thinking...<|end|>
     <|start|>assistant<|channel|>final<|message|>answer<|return|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>
+    {"city":"Paris"}<|call|>
 
-The recipient (`to=...`) may also come before `<|channel|>`. Generation starts after a
-prompt ending in `<|start|>assistant`, so the first header has no `<|start|>`. Channels map
-to our parts: analysis to reasoning, final to text, commentary to a tool call when it has
-a recipient and to text (a preamble) when it has none."""
+(the arguments follow <|message|> directly; the line break is for reading). The recipient
+(`to=...`) may also come before `<|channel|>`. Generation starts after a prompt ending in
+`<|start|>assistant`, so the first header has no `<|start|>`. Channels map to our parts:
+analysis to reasoning, final to text, commentary to a tool call when it has a recipient
+and to text (a preamble) when it has none."""
 
 import re
 
