@@ -335,6 +335,16 @@ def test_no_tool_format_and_no_markers_is_plain_text() -> None:
     assert run(make_output_parser(None, None, None, False, None), ["a<think>b"]) == Parsed(text="a<think>b")
 
 
+def test_dsml_format_still_splits_thinking_off_first() -> None:
+    result = run(make_output_parser("dsml", "<think>", "</think>", True, TOOLS), list("Hmm.</think>Hello."))
+    assert (result.reasoning, result.text, result.error) == ("Hmm.", "Hello.", None)
+
+
+def test_an_mlx_lm_module_name_is_a_format_too() -> None:
+    output = '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
+    assert calls(run(make_output_parser("json_tools", None, None, False, TOOLS), [output])) == [TIME]
+
+
 HARMONY_TURN = [
     M("<|channel|>"),
     "analysis",
