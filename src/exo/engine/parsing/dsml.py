@@ -52,7 +52,8 @@ class DsmlParser:
         self.parameter_types = parameter_types(tools or [])
         # Outside a block: text not yet shown. Inside: the block so far, opening marker included.
         self.held = ""
-        self.closer: str | None = None
+        # The opening marker of the block we are inside, if any.
+        self.opener: str | None = None
 
     def feed(self, piece: str) -> Parsed:
         out = Parsed()
@@ -63,25 +64,26 @@ class DsmlParser:
 
     def finish(self) -> Parsed:
         out = Parsed()
-        if self.closer is not None:
+        if self.opener is not None:
             out.error = f"unclosed DSML tool-call block: {_quote(self.held)}"
         else:
             # What was held (a partial marker, trailing whitespace) turned out to be text.
             out.text = self.held
         self.held = ""
-        self.closer = None
+        self.opener = None
         return out
 
     def _step(self, out: Parsed) -> bool:
         """Take one decision on the held text; True while there may be another to take."""
-        if self.closer is None:
+        if self.opener is None:
             return self._scan_text(out)
-        end = self.held.find(self.closer)
+        closer = BLOCKS[self.opener]
+        end = self.held.find(closer)
         if end < 0:
             return False
-        block, self.held = self.held[: end + len(self.closer)], self.held[end + len(self.closer) :]
-        self.closer = None
-        self._emit_block(out, block)
+        block, self.held = self.held[: end + len(closer)], self.held[end + len(closer) :]
+        self._emit_block(out, block, body=block[len(self.opener) : end])
+        self.opener = None
         return True
 
     def _scan_text(self, out: Parsed) -> bool:
@@ -97,12 +99,10 @@ class DsmlParser:
         index, opener = found
         out.text += self.held[:index].rstrip()
         self.held = self.held[index:]
-        self.closer = BLOCKS[opener]
+        self.opener = opener
         return True
 
-    def _emit_block(self, out: Parsed, block: str) -> None:
-        opener = next(marker for marker in BLOCKS if block.startswith(marker))
-        body = block[len(opener) : len(block) - len(BLOCKS[opener])]
+    def _emit_block(self, out: Parsed, block: str, body: str) -> None:
         try:
             out.tool_calls.extend(self._tool_calls(body))
         except MalformedBlock as problem:
