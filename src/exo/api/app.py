@@ -17,7 +17,7 @@ from exo.api.errors import (
     unexpected_error_handler,
     validation_error_handler,
 )
-from exo.api.routers import claude, cluster, openai_chat
+from exo.api.routers import claude, cluster, openai_chat, responses
 
 if TYPE_CHECKING:
     from exo.node import Node
@@ -43,4 +43,5 @@ def create_app(node: "Node") -> FastAPI:
     app.include_router(cluster.router)
     app.include_router(openai_chat.router)
     app.include_router(claude.router)
+    app.include_router(responses.router)
     return app

@@ -1,0 +1,35 @@
+"""OpenAI Responses: /v1/responses."""
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from exo.api.adapters.responses import ResponseEncoder, ResponsesRequest, sse, to_task_params
+from exo.api.errors import ApiError
+from exo.api.generation import start_generation, stream_response
+from exo.shared.types.text_generation import ChunkGenerated
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/responses")
+async def create_response(request: Request, body: ResponsesRequest):
+    generation = await start_generation(request, to_task_params(body))
+    encoder = ResponseEncoder(body)
+
+    if body.stream:
+
+        async def events(chunks: AsyncIterator[ChunkGenerated]) -> AsyncIterator[str]:
+            for event in encoder.start():
+                yield sse(event)
+            async for chunk in chunks:
+                for event in encoder.feed(chunk):
+                    yield sse(event)
+
+        return stream_response(generation, events)
+
+    for chunk in await generation.collect():
+        encoder.feed(chunk)
+    if encoder.error is not None:
+        raise ApiError(500, encoder.error, code="generation_failed")
+    return encoder.response()
