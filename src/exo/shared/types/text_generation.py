@@ -39,9 +39,6 @@ class TextGenerationTaskParams(FrozenModel):
     # Return the sampled tokens' log-probabilities, with this many alternatives each.
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # With a raw prompt: the prompt tokens come back first in the stream (with their
-    # logprobs when asked), as legacy Completions' echo does.
-    echo: bool = False
 
 
 class Usage(FrozenModel):

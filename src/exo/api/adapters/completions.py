@@ -1,0 +1,127 @@
+"""OpenAI legacy Completions <-> the internal task params and chunk stream. Pure functions."""
+
+import json
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from exo.api.adapters.chat_completions import usage_body
+from exo.shared.types.common import ModelId
+from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, FinishReason, TextGenerationTaskParams, Usage
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str = Field(min_length=1)
+    # One prompt, as text or token ids; a batch of exactly one is accepted too.
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
+            if len(self.prompt) != 1:
+                raise ValueError("only one prompt per request is supported")
+            self.prompt = self.prompt[0]
+        if self.prompt in ("", []):
+            raise ValueError("prompt must not be empty")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > 4:
+            raise ValueError("stop accepts at most 4 sequences")
+        return self
+
+
+def to_task_params(request: CompletionRequest, prompt_text: str) -> TextGenerationTaskParams:
+    """`prompt_text` is the prompt as text (decoded when it came as token ids, empty when
+    it could not be). The raw `prompt` is what the engine continues; the same text as a
+    user message is the fallback for an engine that only takes messages."""
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    return TextGenerationTaskParams(
+        model=ModelId(request.model),
+        messages=[ChatMessage(role="user", content=prompt_text)] if prompt_text else [],
+        prompt=request.prompt,
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        seed=request.seed,
+        stop=stop,
+        logprobs=request.logprobs is not None,
+        top_logprobs=request.logprobs,
+    )
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    # Legacy Completions knows only stop, length and content_filter.
+    return None if reason is None else "length" if reason == "length" else "stop"
+
+
+class CompletionEncoder:
+    """Turns one request's chunks into text_completion stream events, and keeps the text
+    so the same pass gives the non-streaming body. `echo` is the prompt text to send first."""
+
+    def __init__(self, completion_id: str, model: str, echo: str = "", include_usage: bool = False) -> None:
+        self.completion_id = completion_id
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+        self.text = ""
+        self._pending = echo
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self.error: str | None = None
+
+    def _body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.completion_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+    def feed(self, chunk: ChunkGenerated) -> list[dict[str, Any]]:
+        if chunk.finish_reason == "error":
+            self.error = chunk.error_message or "generation failed"
+            return [
+                {"error": {"message": self.error, "type": "server_error", "param": None, "code": "generation_failed"}}
+            ]
+        text, self._pending = self._pending + chunk.text, ""
+        self.text += text
+        self.finish_reason = finish_reason(chunk.finish_reason)
+        events = []
+        if text or self.finish_reason is not None:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+            events.append(self._body([choice]))
+        if chunk.finish_reason is not None:
+            self.usage = chunk.usage
+            if self.include_usage and chunk.usage is not None:
+                events.append(self._body([], usage=usage_body(chunk.usage)))
+        return events
+
+    def body(self) -> dict[str, Any]:
+        choice = {"index": 0, "text": self.text, "logprobs": None, "finish_reason": self.finish_reason}
+        usage = self.usage or Usage(prompt_tokens=0, completion_tokens=0)
+        return self._body([choice], usage=usage_body(usage))
+
+
+def sse(event: dict[str, Any]) -> str:
+    return f"data: {json.dumps(event)}\n\n"
