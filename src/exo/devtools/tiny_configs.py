@@ -226,6 +226,68 @@ TINY_CONFIGS: dict[str, dict] = {
         "v_head_dim": 16,
         "vocab_size": _VOCAB,
     },
+    # DeepSeek V4 Flash: hyper-connections (4 residual streams), a sliding window over
+    # one shared key = value head, compressed layers (CSA: overlapping windows of 4 plus
+    # the indexer's top-k; HCA: plain windows) with YaRN rope, attention sinks, grouped
+    # low-rank output projection, hash-routed then learned-router MoE. Written as
+    # transformers saves it (layer_types / compress_rates; real configs may instead give
+    # compress_ratios of 0 / 4 / 128); the HCA ratio is cut from 128 to 16 and the window
+    # to 16, so a 64-token prompt fills several entries and slides past the window.
+    "deepseek_v4": {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "attention_bias": False,
+        "bos_token_id": 0,
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        "compress_rope_theta": 160000.0,
+        "eos_token_id": 1,
+        "hc_eps": 1e-06,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "index_head_dim": 16,
+        "index_n_heads": 8,
+        "index_topk": 8,
+        "layer_types": [
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        "max_position_embeddings": 1048576,
+        "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 8,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 1,
+        "num_nextn_predict_layers": 1,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "type": "yarn",
+        },
+        "rope_theta": 10000.0,
+        "routed_scaling_factor": 1.5,
+        "scoring_func": "sqrtsoftplus",
+        "sliding_window": 16,
+        "swiglu_limit": 10.0,
+        "tie_word_embeddings": False,
+        "topk_method": "noaux_tc",
+        "vocab_size": _VOCAB,
+    },
     # GLM 5: the DeepSeek V3.2 design (MLA + indexer + MoE) with GLM's sizes and rope.
     "glm_moe_dsa": {
         "architectures": ["GlmMoeDsaForCausalLM"],
