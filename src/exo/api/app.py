@@ -17,7 +17,7 @@ from exo.api.errors import (
     unexpected_error_handler,
     validation_error_handler,
 )
-from exo.api.routers import claude, cluster, completions, openai_chat, responses
+from exo.api.routers import claude, cluster, completions, ollama, openai_chat, responses
 
 if TYPE_CHECKING:
     from exo.node import Node
@@ -45,4 +45,5 @@ def create_app(node: "Node") -> FastAPI:
     app.include_router(claude.router)
     app.include_router(responses.router)
     app.include_router(completions.router)
+    app.include_router(ollama.router)
     return app
