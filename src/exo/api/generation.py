@@ -131,13 +131,17 @@ def stream_response(
 def _tokenizer_at(path: Path) -> "Tokenizer | None":
     from tokenizers import Tokenizer
 
-    file = path / "tokenizer.json"
-    return Tokenizer.from_file(str(file)) if file.exists() else None
+    try:
+        return Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception:  # missing or unreadable: callers fall back to an estimate
+        return None
 
 
 def local_tokenizer(request: Request, model: str) -> "Tokenizer | None":
     """The model's fast tokenizer when its files are on this node (the API process never
     loads the model itself), else None."""
     node = node_of(request)
+    if model not in node.cards():
+        return None
     model_dir = find_local_model_dir(model, node.config.exo_home)
     return _tokenizer_at(model_dir) if model_dir is not None else None
