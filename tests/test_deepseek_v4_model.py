@@ -26,7 +26,7 @@ import exo.engine.mlx.models  # noqa: F401  (makes mlx_lm.models.deepseek_v4 our
 from exo.devtools.onboard import engine_run, load_engine_model, reference_run, write_reference_model
 from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import make_tiny
-from exo.engine.mlx.models.deepseek_v4 import DeepseekV4Cache, Model
+from exo.engine.mlx.models.deepseek_v4 import _FP4_VALUES, DeepseekV4Cache, Model, dequantize_fp4, dequantize_fp8
 
 PROMPT_LEN = 64
 DECODE_STEPS = 32
@@ -139,6 +139,23 @@ def _with_wo_a(attn, wo_a: nn.Module, out: mx.array) -> mx.array:
         return attn.grouped_output(out)
     finally:
         attn.wo_a = original
+
+
+def test_deepseek_fp8_and_fp4_weights_dequantize() -> None:
+    """DeepSeek's checkpoints: FP8 with a UE8M0 scale per 128 x 128 tile, and routed
+    experts as FP4 pairs in bytes with a scale per 32 inputs."""
+    weight = mx.random.normal((200, 300), key=mx.random.key(1))
+    exponents = mx.random.randint(120, 130, (2, 3), key=mx.random.key(2)).astype(mx.uint8)
+    tile_scales = mx.repeat(mx.repeat(mx.power(2.0, exponents.astype(mx.float32) - 127), 128, 0), 128, 1)
+    fp8 = mx.to_fp8(weight / tile_scales[:200, :300])
+    expected = mx.from_fp8(fp8, dtype=mx.float32) * tile_scales[:200, :300]
+    assert float(mx.abs(dequantize_fp8(fp8, exponents).astype(mx.float32) - expected).max()) == 0.0
+
+    codes = np.random.default_rng(0).integers(0, 16, (4, 64))
+    packed = mx.array((codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)).view(mx.int8)
+    scales = mx.array(np.full((4, 2), 128, np.uint8))  # 2 ** 1 for each block of 32
+    values = np.array(dequantize_fp4(packed, scales).astype(mx.float32))
+    assert np.array_equal(values, np.array(_FP4_VALUES, dtype=np.float32)[codes] * 2)
 
 
 # 1 vs 2 processes. Each rank registers our model module before parallel_check loads.

@@ -158,6 +158,32 @@ def router_scores(logits: mx.array, scoring_func: str) -> mx.array:
     raise ValueError(f"DeepSeek V4 does not support scoring function {scoring_func}")
 
 
+_FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def block_scales(scale: mx.array) -> mx.array:
+    """DeepSeek's block scales: float, or UE8M0 (a byte e meaning 2 ** (e - 127))."""
+    if scale.dtype == mx.uint8:
+        return mx.power(2.0, scale.astype(mx.float32) - 127.0)
+    return scale.astype(mx.float32)
+
+
+def dequantize_fp8(weight: mx.array, scale: mx.array, block: int = 128) -> mx.array:
+    """E4M3 bytes with one scale per `block` x `block` tile."""
+    rows, cols = weight.shape
+    scale = mx.repeat(mx.repeat(block_scales(scale), block, axis=0), block, axis=1)[:rows, :cols]
+    return (mx.from_fp8(weight, dtype=mx.float32) * scale).astype(mx.bfloat16)
+
+
+def dequantize_fp4(weight: mx.array, scale: mx.array) -> mx.array:
+    """E2M1 pairs packed in bytes (low nibble first), one scale per block of inputs."""
+    packed = weight.view(mx.uint8) if weight.dtype == mx.int8 else weight
+    table = mx.array(_FP4_VALUES, dtype=mx.float32)
+    values = mx.stack([table[packed & 0x0F], table[packed >> 4]], axis=-1).reshape(weight.shape[0], -1)
+    block = values.shape[-1] // scale.shape[-1]
+    return (values * mx.repeat(block_scales(scale), block, axis=-1)).astype(mx.bfloat16)
+
+
 class DeepseekV4Cache:
     """One layer's cache: the last `sliding_window - 1` keys (= values) of the local
     branch, and per compressor branch ("compressor", "indexer") the projected tokens of
@@ -645,11 +671,24 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """DeepSeek's layout (`layers.N.attn.wq_a`, `embed`, `head`, `hc_attn_fn`, experts
-        one by one as w1/w2/w3), also as transformers saves it under `model.`, onto the
-        mlx-community names; mlx-community checkpoints pass through unchanged."""
+        one by one as w1/w2/w3, FP8 / FP4 with block scales), also as transformers saves
+        it under `model.`, onto the mlx-community names; mlx-community checkpoints pass
+        through unchanged."""
         n_layers = self.args.num_hidden_layers
-        renamed = {}
+        # DeepSeek's own checkpoints ship FP8 weights and FP4 routed experts, each with a
+        # `.scale` beside it; mlx works on the dequantized (bfloat16) weights.
+        dequantized = {}
         for name, value in weights.items():
+            if name.endswith(".scale") and name.removesuffix("scale") + "weight" in weights:
+                continue
+            scale = weights.get(name.removesuffix("weight") + "scale") if name.endswith(".weight") else None
+            if scale is not None and value.dtype in (mx.uint8, mx.int8):
+                fp4 = ".experts." in name and scale.shape[-1] * 16 == value.shape[-1]
+                value = dequantize_fp4(value, scale) if fp4 else dequantize_fp8(value, scale)
+            dequantized[name] = value
+
+        renamed = {}
+        for name, value in dequantized.items():
             name = name.removeprefix("model.")
             parts = name.split(".")
             if parts[0] == "mtp" or (parts[0] == "layers" and int(parts[1]) >= n_layers):
