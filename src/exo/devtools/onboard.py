@@ -116,6 +116,10 @@ def write_reference_model(path: Path, config: dict, seed: int = 0):
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     _randomise(model, seed)
     model.save_pretrained(path)
+    # transformers writes its own spelling of some keys (rope_parameters, ...); the
+    # checkpoints people download carry the original config, so keep its keys too.
+    saved = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**saved, **config}, indent=2))
     return model
 
 
