@@ -123,7 +123,9 @@ class MlxEngine:
         assert self.model is not None and self.tokenizer is not None, "load() first"
         # Every rank seeds its sampler the same way, so all ranks draw the same tokens.
         seed = params.seed if params.seed is not None else random.getrandbits(31)
-        self._pending_ops.append({"op": "start", "id": request_id, "params": params.model_dump(mode="json"), "seed": seed})
+        self._pending_ops.append(
+            {"op": "start", "id": request_id, "params": params.model_dump(mode="json"), "seed": seed}
+        )
         if self.group is None:
             self._apply_ops()
 

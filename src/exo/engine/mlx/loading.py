@@ -7,6 +7,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
+import exo.engine.mlx.models  # noqa: F401  (registers exo's own model modules, DeepSeek V4, with mlx-lm)
 from exo.engine.base import LayerProgress
 from exo.engine.mlx.parallel import shard_model
 from exo.shared.types.shards import ShardMetadata

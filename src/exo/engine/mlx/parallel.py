@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from exo.engine.mlx.sharding import tensor_strategy
+from exo.engine.mlx.sharding import pipeline_fix_up, tensor_strategy
 from exo.shared.types.instances import Instance
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 
@@ -64,14 +64,17 @@ class ReceiveFromPrevious(_LayerWrapper):
 
 
 class SendToNextAndShare(_LayerWrapper):
-    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> Any:
         out = self.layer(x, *args, **kwargs)
+        # Some blocks (Gemma 4) return (hidden, keys/values, offset); only hidden travels.
+        hidden, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
         rank, size = self.group.rank(), self.group.size()
         if rank < size - 1:
-            out = mx.distributed.send(out, rank + 1, group=self.group)
+            hidden = mx.distributed.send(hidden, rank + 1, group=self.group)
         # Every rank contributes its output; the last rank's is the model's.
-        gathered = mx.distributed.all_gather(out, group=self.group)
-        return gathered[-out.shape[0] :]
+        gathered = mx.distributed.all_gather(hidden, group=self.group)
+        hidden = gathered[-hidden.shape[0] :]
+        return hidden if rest is None else (hidden, *rest)
 
 
 def inner_model(model: nn.Module) -> nn.Module:
@@ -82,7 +85,9 @@ def inner_model(model: nn.Module) -> nn.Module:
     raise ValueError(f"cannot find the transformer layers of {type(model).__name__}")
 
 
-def apply_pipeline(model: nn.Module, shard: PipelineShardMetadata, group: mx.distributed.Group) -> None:
+def apply_pipeline(
+    model: nn.Module, model_type: str, shard: PipelineShardMetadata, group: mx.distributed.Group
+) -> None:
     inner = inner_model(model)
     layers = list(inner.layers)[shard.start_layer : shard.end_layer]
     if shard.device_rank > 0:
@@ -90,6 +95,9 @@ def apply_pipeline(model: nn.Module, shard: PipelineShardMetadata, group: mx.dis
     layers[-1] = SendToNextAndShare(layers[-1], group)
     inner.layers = layers
     _fix_layer_indices(inner, shard.start_layer, shard.end_layer)
+    fix_up = pipeline_fix_up(model_type)
+    if fix_up is not None:
+        fix_up(model, shard.start_layer, shard.end_layer)
 
 
 class _SoloGroup:
@@ -159,7 +167,7 @@ def shard_model(model: nn.Module, model_type: str, shard: ShardMetadata, group: 
     if isinstance(shard, TensorShardMetadata):
         apply_tensor(model, model_type, group)
     else:
-        apply_pipeline(model, shard, group)
+        apply_pipeline(model, model_type, shard, group)
 
 
 def broadcast_bytes(payload: bytes | None, group: mx.distributed.Group, stream: Any) -> bytes:

@@ -175,15 +175,18 @@ def _config_value(config: dict, key: str) -> int | None:
 
 
 def has_tensor_strategy(model_type: str) -> bool:
-    """Whether exo (engine/mlx/sharding/<model_type>.py) or mlx-lm (a `shard` method in
-    its model module) can split this architecture across ranks. Read from the files, so
+    """Whether exo (engine/mlx/sharding/<model_type>.py, or a `shard` method in its own
+    model module) or mlx-lm (a `shard` method in its model module) can split this architecture across ranks. Read from the files, so
     the node process need not import MLX; whether a given node count divides the model
     is placement's question."""
     if not model_type.isidentifier():
         return False
-    own = Path(__file__).parents[2] / "engine" / "mlx" / "sharding" / f"{model_type}.py"
-    if own.exists():
+    engine = Path(__file__).parents[2] / "engine" / "mlx"
+    if (engine / "sharding" / f"{model_type}.py").exists():
         return True
+    own_model = engine / "models" / f"{model_type}.py"
+    if own_model.exists():
+        return "def shard(" in own_model.read_text(encoding="utf-8")
     spec = importlib.util.find_spec("mlx_lm")
     if spec is None or spec.origin is None:
         return False
