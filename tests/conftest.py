@@ -119,9 +119,17 @@ def start_node(
     env = {**os.environ, "EXO_HOME": str(home), **(env_extra or {})}
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "exo.main",
-            "--api-port", str(api_port), "--api-host", "127.0.0.1",
-            "--namespace", namespace, "--discovery-port", str(discovery_port),
+            sys.executable,
+            "-m",
+            "exo.main",
+            "--api-port",
+            str(api_port),
+            "--api-host",
+            "127.0.0.1",
+            "--namespace",
+            namespace,
+            "--discovery-port",
+            str(discovery_port),
             # Tests on the host reach peers by bootstrap only: no multicast leaves the
             # machine (the network-namespace tests exercise multicast on their own bridge).
             *(("--no-multicast",) if multicast is False else ()),

@@ -17,7 +17,9 @@ PROMPT = [{"role": "user", "content": "Hello there, tell me about clusters"}]
 
 
 def place_and_wait(node, sharding: str, min_nodes: int) -> str:
-    response = node.post("/place_instance", json={"model_id": TINY_MODEL_ID, "sharding": sharding, "min_nodes": min_nodes})
+    response = node.post(
+        "/place_instance", json={"model_id": TINY_MODEL_ID, "sharding": sharding, "min_nodes": min_nodes}
+    )
     assert response.status_code == 200, response.text
     instance_id = response.json()["instance_id"]
     with httpx.stream("GET", f"{node.url}/instance/await", params={"instance_id": instance_id}, timeout=180) as stream:
@@ -93,7 +95,9 @@ def test_killing_one_rank_fails_the_request_and_the_model_moves_to_the_survivor(
     victim = next(n for n in two_nodes if n.node_id() != master)
     survivor = next(n for n in two_nodes if n.node_id() == master)
     sdk = openai.OpenAI(base_url=f"{survivor.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    stream = sdk.chat.completions.create(model=TINY_MODEL_ID, messages=PROMPT, max_tokens=5000, temperature=0, stream=True)
+    stream = sdk.chat.completions.create(
+        model=TINY_MODEL_ID, messages=PROMPT, max_tokens=5000, temperature=0, stream=True
+    )
     started = None
     with pytest.raises(openai.APIError):
         for number, _ in enumerate(stream):
@@ -149,17 +153,21 @@ def test_three_node_pipeline_and_tensor_answer_like_one_node(network, tmp_path, 
             assert response.status_code == 200, response.text
             instance_id = response.json()["instance_id"]
             nodes[2].wait_for_state(  # the node we ask sees it ready
-                lambda s, i=instance_id: s["instances"].get(i)
-                and all(
-                    s["runners"].get(r, {}).get("kind") == "RunnerReady"
-                    for r in s["instances"][i]["shardAssignments"]["runnerToShard"]
+                lambda s, i=instance_id: (
+                    s["instances"].get(i)
+                    and all(
+                        s["runners"].get(r, {}).get("kind") == "RunnerReady"
+                        for r in s["instances"][i]["shardAssignments"]["runnerToShard"]
+                    )
                 ),
                 timeout=180,
                 what=f"{sharding} x{min_nodes} ready",
             )
-            answers[(sharding, min_nodes)] = sdk.chat.completions.create(
-                model=THREE_WAY_MODEL_ID, messages=PROMPT, max_tokens=16, temperature=0
-            ).choices[0].message.content
+            answers[(sharding, min_nodes)] = (
+                sdk.chat.completions.create(model=THREE_WAY_MODEL_ID, messages=PROMPT, max_tokens=16, temperature=0)
+                .choices[0]
+                .message.content
+            )
             delete_and_wait(nodes[0], instance_id)
         assert answers[("Pipeline", 3)] == answers[("Pipeline", 1)]
         assert answers[("Tensor", 3)] == answers[("Pipeline", 1)]

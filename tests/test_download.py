@@ -346,7 +346,9 @@ def test_a_node_downloads_a_placed_model_with_progress_then_serves_it(fake_hub: 
         ]
         assert kinds[0] == "DownloadPending" and kinds[-1] == "DownloadCompleted"
         downloaded = tmp_path / "home" / "models" / "acme--from-hub"
-        assert (downloaded / "model.safetensors").read_bytes() == (root / "acme--from-hub" / "model.safetensors").read_bytes()
+        assert (downloaded / "model.safetensors").read_bytes() == (
+            root / "acme--from-hub" / "model.safetensors"
+        ).read_bytes()
         sdk = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=60)
         completion = sdk.chat.completions.create(
             model="acme/from-hub", messages=[{"role": "user", "content": "hi"}], max_tokens=4

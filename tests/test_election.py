@@ -19,7 +19,9 @@ def test_force_master_beats_everything():
 
 
 def test_the_node_that_started_first_wins():
-    assert choose_master([candidate("a", started_at=2000.0, commands_seen=99), candidate("b", started_at=1500.0)]) == "b"
+    assert (
+        choose_master([candidate("a", started_at=2000.0, commands_seen=99), candidate("b", started_at=1500.0)]) == "b"
+    )
 
 
 def test_commands_seen_breaks_a_seniority_tie():

@@ -64,7 +64,10 @@ class StateReplica:
         if not self._early:
             return
         now = time.monotonic()
-        if self._gap_requested_at == self.state.last_event_applied_idx and now - self._gap_requested_time < GAP_RETRY_SECONDS:
+        if (
+            self._gap_requested_at == self.state.last_event_applied_idx
+            and now - self._gap_requested_time < GAP_RETRY_SECONDS
+        ):
             return
         since = self.state.last_event_applied_idx + 1
         logger.debug(f"missing events from {since}; asking the master")

@@ -133,9 +133,10 @@ class Worker:
             # first report went out before there was a master), or memory moved a lot.
             if known is None or due:
                 info = gather_node_info(self.node_id, self.exo_home, self.api_port)
-                moved = known is not None and abs(
-                    info.memory.available_bytes - known.memory.available_bytes
-                ) > MEMORY_REPORT_THRESHOLD_BYTES
+                moved = (
+                    known is not None
+                    and abs(info.memory.available_bytes - known.memory.available_bytes) > MEMORY_REPORT_THRESHOLD_BYTES
+                )
                 if known is None or moved:
                     self.emit(NodeGatheredInfo(info=info))
                 last_sent = time.monotonic()
