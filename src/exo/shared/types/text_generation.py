@@ -31,6 +31,9 @@ class TextGenerationTaskParams(FrozenModel):
     stop: list[str] = []
     tools: list[dict[str, Any]] | None = None
     enable_thinking: bool | None = None
+    # "none", "minimal", "low", "medium", "high" or "xhigh"; each family's template or
+    # encoder maps it to what the model understands.
+    reasoning_effort: str | None = None
     # OpenAI's tool_choice ("auto", "none", "required" or {"type": "function", ...}).
     tool_choice: str | dict[str, Any] | None = None
     # A raw prompt (text or token ids) to continue as is, bypassing the chat template
@@ -44,6 +47,8 @@ class TextGenerationTaskParams(FrozenModel):
 class Usage(FrozenModel):
     prompt_tokens: int
     completion_tokens: int
+    # Of the completion tokens, those that went to reasoning rather than the answer.
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
