@@ -4,22 +4,28 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,
     ChunkGenerated,
     TextGenerationTaskParams,
+    ToolCall,
     Usage,
 )
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class ChatCompletionMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Plain text or, for multimodal messages, a list of parts; either way an assistant
+    # message can carry its reasoning beside it.
     content: str | list[dict[str, Any]] | None = None
-    reasoning_content: str | None = None
+    # `reasoning` is how some OpenAI-compatible clients (OpenRouter's) send it back.
+    reasoning_content: str | None = Field(default=None, validation_alias=AliasChoices("reasoning_content", "reasoning"))
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -47,7 +53,9 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     enable_thinking: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -70,16 +78,31 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
         seed=request.seed,
         stop=stop,
         tools=request.tools,
-        enable_thinking=request.enable_thinking,
+        tool_choice=request.tool_choice,
+        enable_thinking=_enable_thinking(request),
+        reasoning_effort=request.reasoning_effort,
     )
 
 
-def usage_body(usage: Usage) -> dict[str, int]:
+def _enable_thinking(request: ChatCompletionRequest) -> bool | None:
+    """An explicit enable_thinking wins; otherwise an effort of none/minimal turns thinking
+    off for models that can switch it, as the Responses adapter does."""
+    if request.enable_thinking is not None or request.reasoning_effort is None:
+        return request.enable_thinking
+    return request.reasoning_effort not in ("none", "minimal")
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
+
+
+def tool_call_body(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 class ChunkEncoder:
@@ -91,6 +114,8 @@ class ChunkEncoder:
         self.include_usage = include_usage
         self.created = int(time.time())
         self._sent_role = False
+        # OpenAI numbers streamed tool calls across the whole response, not per chunk.
+        self._tool_calls_sent = 0
 
     def _event(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         body = {
@@ -109,13 +134,28 @@ class ChunkEncoder:
             return [
                 f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': 'generation_failed'}})}\n\n"
             ]
+        progress = chunk.prefill
+        if (
+            progress is not None
+            and chunk.finish_reason is None
+            and not (chunk.text or chunk.reasoning or chunk.tool_calls)
+        ):
+            # An SSE comment: SDKs ignore it, and it keeps proxies from timing out a long prefill.
+            return [f": prefill {progress.processed_tokens}/{progress.total_tokens}\n\n"]
         events = []
         delta: dict[str, Any] = {}
         if not self._sent_role:
             delta["role"] = "assistant"
             self._sent_role = True
+        if chunk.reasoning:
+            delta["reasoning_content"] = chunk.reasoning
         if chunk.text:
             delta["content"] = chunk.text
+        if chunk.tool_calls:
+            delta["tool_calls"] = [
+                {"index": self._tool_calls_sent + i, **tool_call_body(call)} for i, call in enumerate(chunk.tool_calls)
+            ]
+            self._tool_calls_sent += len(chunk.tool_calls)
         if delta or chunk.finish_reason is not None:
             choice = {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason, "logprobs": None}
             extra = {"generation_stats": chunk.stats.model_dump(by_alias=False)} if chunk.stats else {}
@@ -128,6 +168,14 @@ class ChunkEncoder:
 def completion_body(completion_id: str, model: str, chunks: list[ChunkGenerated]) -> dict[str, Any]:
     last = chunks[-1]
     usage = last.usage or Usage(prompt_tokens=0, completion_tokens=len(chunks))
+    text = "".join(c.text for c in chunks)
+    reasoning = "".join(c.reasoning for c in chunks)
+    tool_calls = [tool_call_body(call) for c in chunks for call in c.tool_calls]
+    message: dict[str, Any] = {"role": "assistant", "content": None if tool_calls and not text else text}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "id": completion_id,
         "object": "chat.completion",
@@ -136,7 +184,7 @@ def completion_body(completion_id: str, model: str, chunks: list[ChunkGenerated]
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "".join(c.text for c in chunks)},
+                "message": message,
                 "finish_reason": last.finish_reason,
                 "logprobs": None,
             }
