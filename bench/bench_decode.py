@@ -36,7 +36,7 @@ PROMPT = "Write a long story about a cluster of computers."
 def direct_decode_tps(model_dir: Path, tokens: int) -> float:
     model, tokenizer = load(str(model_dir))
     params = TextGenerationTaskParams(model="bench", messages=[ChatMessage(role="user", content=PROMPT)])
-    prompt = mx.array(encode_prompt(tokenizer, params))
+    prompt = mx.array(encode_prompt(tokenizer, params)[0])
     stream = generate_step(prompt, model, max_tokens=tokens, sampler=make_sampler(temp=0.0))
     token, _ = next(stream)
     if int(token) in tokenizer.eos_token_ids:

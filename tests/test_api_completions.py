@@ -141,4 +141,9 @@ def test_encoder_maps_finish_reasons_and_echo():
     )
     (event,) = encoder.feed(chunk)
     assert event["choices"][0] == {"index": 0, "text": "Hi!", "logprobs": None, "finish_reason": "stop"}
-    assert encoder.body()["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    assert encoder.body()["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 1,
+        "total_tokens": 3,
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }

@@ -4,6 +4,7 @@ from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from exo.engine.encoding import deepseek_v4, deepseek_v32
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 
 
@@ -29,17 +30,34 @@ def message_text(message: ChatMessage) -> str:
     return "".join(part.get("text", "") for part in message.content if part.get("type") == "text")
 
 
-def encode_prompt(tokenizer: TokenizerWrapper, params: TextGenerationTaskParams) -> list[int]:
+def render_prompt(tokenizer: TokenizerWrapper, params: TextGenerationTaskParams, model_type: str) -> str:
+    """The prompt text for a chat request. DeepSeek V3.2 and V4 ship no Jinja template;
+    their prompts come from exo's encoders of the published format."""
+    thinking = params.enable_thinking is not False
+    if model_type == "deepseek_v4":
+        return deepseek_v4.encode_messages(params.messages, params.tools, thinking, params.reasoning_effort)
+    if model_type == "deepseek_v32":
+        return deepseek_v32.encode_messages(params.messages, params.tools, thinking, params.reasoning_effort)
     messages = [template_message(m) for m in params.messages]
+    if tokenizer.chat_template is None:
+        # Base models have no template: plain concatenation is the honest fallback.
+        return "\n".join(m["content"] for m in messages)
     extra: dict[str, Any] = {}
     if params.enable_thinking is not None:
         extra["enable_thinking"] = params.enable_thinking
-    if tokenizer.chat_template is None:
-        # Base models have no template: plain concatenation is the honest fallback.
-        prompt = "\n".join(m["content"] for m in messages)
-    else:
-        prompt = tokenizer.apply_chat_template(
-            messages, tools=params.tools, add_generation_prompt=True, tokenize=False, **extra
-        )
+    if params.reasoning_effort is not None:
+        extra["reasoning_effort"] = params.reasoning_effort
+    return tokenizer.apply_chat_template(
+        messages, tools=params.tools, add_generation_prompt=True, tokenize=False, **extra
+    )
+
+
+def encode_prompt(
+    tokenizer: TokenizerWrapper, params: TextGenerationTaskParams, model_type: str = ""
+) -> tuple[list[int], str]:
+    """Prompt token ids and text. A raw prompt (text or ids) is used as it is."""
+    if isinstance(params.prompt, list):
+        return list(params.prompt), tokenizer.decode(params.prompt)
+    text = params.prompt if params.prompt is not None else render_prompt(tokenizer, params, model_type)
     # The template already wrote any BOS it wants.
-    return tokenizer.encode(prompt, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=False), text

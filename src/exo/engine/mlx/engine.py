@@ -1,5 +1,7 @@
-"""Generation with MLX: one mlx-lm `generate_step` stream per request, advanced a token
-at a time so new requests and cancellations are picked up between tokens."""
+"""Generation with MLX: each request prefills its prompt a chunk per step, then runs one
+mlx-lm `generate_step` stream a token per step, so new requests and cancellations are
+picked up between chunks and tokens. The model's text goes through the family's output
+parser, which splits reasoning and tool calls from the answer."""
 
 import json
 import random
@@ -20,6 +22,9 @@ from exo.engine.base import LayerProgress
 from exo.engine.mlx.chat_template import encode_prompt
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.parallel import broadcast_bytes, connect_group, inner_model
+from exo.engine.parsing.base import Parsed, StreamParser
+from exo.engine.parsing.output import make_output_parser, think_markers_for, tool_format_for
+from exo.engine.parsing.reasoning import prompt_opens_reasoning
 from exo.engine.stop_sequences import StopSequenceFilter
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.instances import Instance
@@ -27,7 +32,9 @@ from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import (
     ChatMessage,
     ChunkGenerated,
+    FinishReason,
     GenerationStats,
+    PrefillProgress,
     TextGenerationTaskParams,
     Usage,
 )
@@ -36,39 +43,41 @@ DEFAULT_MAX_TOKENS = 1024
 PREFILL_STEP = 512
 
 
-def prefill(model: nn.Module, tokens: list[int], cache: list[Any]) -> None:
-    """Run the prompt through the model in chunks, filling the cache. We evaluate the
+def prefill_chunk(model: nn.Module, tokens: list[int], cache: list[Any]) -> None:
+    """Run one chunk of the prompt through the model, filling the cache. We evaluate the
     hidden states, not just the caches as mlx-lm's own prefill does: on a pipeline rank
     the send to the next rank is not an input of any cache, so evaluating only caches
     would never send, and the ring would wait forever."""
-    inner = inner_model(model)
     with mx.stream(generation_stream):
-        for start in range(0, len(tokens), PREFILL_STEP):
-            hidden = inner(mx.array(tokens[start : start + PREFILL_STEP])[None], cache=cache)
-            mx.eval(hidden, [c.state for c in cache])
-
-
-def generate_tokens(
-    model: nn.Module, prompt: list[int], max_tokens: int, sampler: Any
-) -> Iterator[tuple[mx.array, mx.array]]:
-    """mlx-lm's generate_step after our own prefill of all but the last prompt token.
-    Lazy: the prefill runs on the first next()."""
-    cache = make_prompt_cache(model)
-    prefill(model, prompt[:-1], cache)
-    yield from generate_step(mx.array(prompt[-1:]), model, max_tokens=max_tokens, sampler=sampler, prompt_cache=cache)
+        hidden = inner_model(model)(mx.array(tokens)[None], cache=cache)
+        mx.eval(hidden, [c.state for c in cache])
 
 
 @dataclass
 class _Request:
+    """One request: first its prompt is prefilled a chunk per step (so progress is
+    reported and a cancellation lands between chunks on every rank), then it decodes a
+    token per step."""
+
     request_id: str
-    tokens: Iterator[tuple[mx.array, mx.array]]
+    prompt: list[int]
+    cache: list[Any]
+    sampler: Any
     detokenizer: StreamingDetokenizer
     stop_filter: StopSequenceFilter
+    parser: StreamParser
     max_tokens: int
-    prompt_tokens: int
     submitted_at: float
+    prefilled: int = 0
+    tokens: Iterator[tuple[mx.array, mx.array]] | None = None
     first_token_at: float | None = None
     generated: int = 0
+    reasoning_tokens: int = 0
+    made_tool_calls: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
 
 
 class MlxEngine:
@@ -82,6 +91,8 @@ class MlxEngine:
         self.tokenizer: TokenizerWrapper | None = None
         self.group: mx.distributed.Group | None = None
         self.card_defaults: dict[str, float | int] = {}
+        self.model_type = ""
+        self.tool_format: str | None = None
         self._requests: dict[str, _Request] = {}
         self._pending_ops: list[dict[str, Any]] = []
         self.shutdown_requested = False
@@ -95,6 +106,8 @@ class MlxEngine:
 
     def load(self, model_dir: Path, shard: ShardMetadata, on_layer_loaded: LayerProgress) -> None:
         self.model, self.tokenizer = load_shard(model_dir, shard, self.group, on_layer_loaded)
+        self.model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+        self.tool_format = tool_format_for(self.model_type, self.tokenizer.chat_template)
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
 
     def warm_up(self) -> int:
@@ -158,18 +171,33 @@ class MlxEngine:
 
     def _start(self, request_id: str, params: TextGenerationTaskParams, seed: int) -> None:
         assert self.model is not None and self.tokenizer is not None
-        prompt = encode_prompt(self.tokenizer, params)
+        prompt, prompt_text = encode_prompt(self.tokenizer, params, self.model_type)
+        if not prompt:
+            prompt = [self.tokenizer.bos_token_id or 0]
         mx.random.seed(seed)
-        max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
         self._requests[request_id] = _Request(
             request_id=request_id,
-            tokens=generate_tokens(self.model, prompt, max_tokens, self._sampler(params)),
+            prompt=prompt,
+            cache=make_prompt_cache(self.model),
+            sampler=self._sampler(params),
             detokenizer=self.tokenizer.detokenizer,
             stop_filter=StopSequenceFilter(params.stop),
-            max_tokens=max_tokens,
-            prompt_tokens=len(prompt),
+            parser=self._output_parser(params, prompt_text),
+            max_tokens=params.max_tokens or DEFAULT_MAX_TOKENS,
             submitted_at=time.perf_counter(),
         )
+
+    def _output_parser(self, params: TextGenerationTaskParams, prompt_text: str) -> StreamParser:
+        markers = think_markers_for(self.model_type)
+        # A raw prompt asks for the model's text as it is.
+        if params.prompt is not None:
+            return make_output_parser(None, None, None, False, None)
+        start, end = markers or (None, None)
+        opened = markers is not None and prompt_opens_reasoning(prompt_text, *markers)
+        tool_format = self.tool_format if params.tools and params.tool_choice != "none" else None
+        if self.tool_format == "harmony":
+            tool_format = "harmony"
+        return make_output_parser(tool_format, start, end, opened, params.tools)
 
     def _step_and_check(self, marker: str) -> bool:
         applied = self._apply_ops()
@@ -197,13 +225,32 @@ class MlxEngine:
         return [self._advance(request) for request in list(self._requests.values())]
 
     def _advance(self, request: _Request) -> ChunkGenerated:
-        assert self.tokenizer is not None
+        assert self.model is not None and self.tokenizer is not None
+        command_id = CommandId(request.request_id)
+        # All but the last prompt token are prefilled; the last starts generate_step.
+        to_prefill = len(request.prompt) - 1
+        if request.prefilled < to_prefill:
+            end = min(request.prefilled + PREFILL_STEP, to_prefill)
+            prefill_chunk(self.model, request.prompt[request.prefilled : end], request.cache)
+            request.prefilled = end
+            return ChunkGenerated(
+                command_id=command_id,
+                prefill=PrefillProgress(processed_tokens=end, total_tokens=len(request.prompt)),
+            )
+        if request.tokens is None:
+            request.tokens = generate_step(
+                mx.array(request.prompt[-1:]),
+                self.model,
+                max_tokens=request.max_tokens,
+                sampler=request.sampler,
+                prompt_cache=request.cache,
+            )
         token_array, _ = next(request.tokens)
         token = int(token_array.item()) if isinstance(token_array, mx.array) else int(token_array)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         request.generated += 1
-        finish_reason = None
+        finish_reason: FinishReason | None = None
         if token in self.tokenizer.eos_token_ids:
             finish_reason = "stop"
         else:
@@ -217,11 +264,24 @@ class MlxEngine:
             finish_reason = "stop"
         elif finish_reason is not None:
             text += request.stop_filter.flush()
+        parsed = request.parser.feed(text) if text else Parsed()
+        if finish_reason is not None:
+            parsed.extend(request.parser.finish())
+        if parsed.reasoning and not parsed.text:
+            request.reasoning_tokens += 1
+        request.made_tool_calls |= bool(parsed.tool_calls)
+        if parsed.error is not None:
+            finish_reason = "error"
+        elif finish_reason == "stop" and request.made_tool_calls:
+            finish_reason = "tool_calls"
         chunk = ChunkGenerated(
-            command_id=CommandId(request.request_id),
-            text=text,
+            command_id=command_id,
+            text=parsed.text,
+            reasoning=parsed.reasoning,
+            tool_calls=parsed.tool_calls,
             token_ids=[token],
             finish_reason=finish_reason,
+            error_message=parsed.error,
         )
         if finish_reason is None:
             return chunk
@@ -229,7 +289,11 @@ class MlxEngine:
         return chunk.model_copy(update={"usage": self._usage(request), "stats": self._stats(request)})
 
     def _usage(self, request: _Request) -> Usage:
-        return Usage(prompt_tokens=request.prompt_tokens, completion_tokens=request.generated)
+        return Usage(
+            prompt_tokens=request.prompt_tokens,
+            completion_tokens=request.generated,
+            reasoning_tokens=request.reasoning_tokens,
+        )
 
     def _stats(self, request: _Request) -> GenerationStats:
         now = time.perf_counter()

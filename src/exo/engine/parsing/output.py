@@ -33,7 +33,7 @@ THINK_MARKERS: dict[str, tuple[str, str]] = {
         ("<think>", "</think>"),
     ),
     "kimi_vl": ("◁think▷", "◁/think▷"),
-    "gemma4": ("<|channel>thought\n", "<channel|>"),
+    **dict.fromkeys(["gemma4", "gemma4_text"], ("<|channel>thought\n", "<channel|>")),
 }
 
 # The tool-call format when the chat template does not tell (see tool_format_for).
@@ -43,7 +43,7 @@ _TOOL_FORMATS_BY_MODEL_TYPE = {
     **dict.fromkeys(["glm4_moe", "glm4_moe_lite"], "glm47"),
     "minimax_m2": "minimax_m2",
     "kimi_k2": "kimi_k2",
-    "gemma4": "gemma4",
+    **dict.fromkeys(["gemma4", "gemma4_text"], "gemma4"),
     **dict.fromkeys(["mistral3", "ministral3"], "mistral"),
     **dict.fromkeys(["lfm2", "lfm2_moe"], "pythonic"),
 }
