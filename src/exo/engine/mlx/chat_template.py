@@ -5,14 +5,15 @@ from typing import Any
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from exo.engine.encoding import deepseek_v4, deepseek_v32
+from exo.engine.parsing.output import think_markers_for
+from exo.engine.reasoning_dialect import apply_reasoning_dialect, template_fields
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 
 
-def template_message(message: ChatMessage) -> dict[str, Any]:
+def template_message(message: ChatMessage, dialect: str = "none") -> dict[str, Any]:
     role = "system" if message.role == "developer" else message.role
     rendered: dict[str, Any] = {"role": role, "content": message_text(message)}
-    if message.reasoning_content:
-        rendered["reasoning_content"] = message.reasoning_content
+    rendered.update(template_fields(message, dialect))
     if message.tool_calls:
         rendered["tool_calls"] = message.tool_calls
     if message.tool_call_id:
@@ -30,15 +31,20 @@ def message_text(message: ChatMessage) -> str:
     return "".join(part.get("text", "") for part in message.content if part.get("type") == "text")
 
 
-def render_prompt(tokenizer: TokenizerWrapper, params: TextGenerationTaskParams, model_type: str) -> str:
-    """The prompt text for a chat request. DeepSeek V3.2 and V4 ship no Jinja template;
-    their prompts come from exo's encoders of the published format."""
+def render_prompt(
+    tokenizer: TokenizerWrapper, params: TextGenerationTaskParams, model_type: str, dialect: str = "none"
+) -> str:
+    """The prompt text for a chat request. The card's reasoning dialect decides which
+    earlier reasoning goes back to the model, and how. DeepSeek V3.2 and V4 ship no Jinja
+    template; their prompts come from exo's encoders of the published format."""
+    think_start, think_end = think_markers_for(model_type) or ("<think>", "</think>")
+    chat = apply_reasoning_dialect(params.messages, dialect, bool(params.tools), think_start, think_end)
     thinking = params.enable_thinking is not False
     if model_type == "deepseek_v4":
-        return deepseek_v4.encode_messages(params.messages, params.tools, thinking, params.reasoning_effort)
+        return deepseek_v4.encode_messages(chat, params.tools, thinking, params.reasoning_effort)
     if model_type == "deepseek_v32":
-        return deepseek_v32.encode_messages(params.messages, params.tools, thinking, params.reasoning_effort)
-    messages = [template_message(m) for m in params.messages]
+        return deepseek_v32.encode_messages(chat, params.tools, thinking, params.reasoning_effort)
+    messages = [template_message(m, dialect) for m in chat]
     if tokenizer.chat_template is None:
         # Base models have no template: plain concatenation is the honest fallback.
         return "\n".join(m["content"] for m in messages)
@@ -53,11 +59,11 @@ def render_prompt(tokenizer: TokenizerWrapper, params: TextGenerationTaskParams,
 
 
 def encode_prompt(
-    tokenizer: TokenizerWrapper, params: TextGenerationTaskParams, model_type: str = ""
+    tokenizer: TokenizerWrapper, params: TextGenerationTaskParams, model_type: str = "", dialect: str = "none"
 ) -> tuple[list[int], str]:
     """Prompt token ids and text. A raw prompt (text or ids) is used as it is."""
     if isinstance(params.prompt, list):
         return list(params.prompt), tokenizer.decode(params.prompt)
-    text = params.prompt if params.prompt is not None else render_prompt(tokenizer, params, model_type)
+    text = params.prompt if params.prompt is not None else render_prompt(tokenizer, params, model_type, dialect)
     # The template already wrote any BOS it wants.
     return tokenizer.encode(text, add_special_tokens=False), text

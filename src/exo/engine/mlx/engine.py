@@ -92,6 +92,7 @@ class MlxEngine:
         self.group: mx.distributed.Group | None = None
         self.card_defaults: dict[str, float | int] = {}
         self.model_type = ""
+        self.reasoning_dialect = "none"
         self.tool_format: str | None = None
         self._requests: dict[str, _Request] = {}
         self._pending_ops: list[dict[str, Any]] = []
@@ -109,6 +110,7 @@ class MlxEngine:
         self.model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
         self.tool_format = tool_format_for(self.model_type, self.tokenizer.chat_template)
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
+        self.reasoning_dialect = shard.model_card.reasoning_dialect.value
 
     def warm_up(self) -> int:
         if self.is_follower:
@@ -171,7 +173,7 @@ class MlxEngine:
 
     def _start(self, request_id: str, params: TextGenerationTaskParams, seed: int) -> None:
         assert self.model is not None and self.tokenizer is not None
-        prompt, prompt_text = encode_prompt(self.tokenizer, params, self.model_type)
+        prompt, prompt_text = encode_prompt(self.tokenizer, params, self.model_type, self.reasoning_dialect)
         if not prompt:
             prompt = [self.tokenizer.bos_token_id or 0]
         mx.random.seed(seed)
