@@ -41,7 +41,9 @@ def greedy(node, max_tokens: int = 24) -> str:
 
 @pytest.fixture
 def two_nodes(tmp_path, tiny_models_dir):
-    with loopback_cluster(2, tmp_path, {"EXO_MODELS_DIRS": str(tiny_models_dir)}) as nodes:
+    # Small prefill steps, so a long prompt takes long enough to cancel half-way.
+    env = {"EXO_MODELS_DIRS": str(tiny_models_dir), "EXO_PREFILL_STEP": "16"}
+    with loopback_cluster(2, tmp_path, env) as nodes:
         wait_converged(nodes)
         nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 2, timeout=30, what="links measured")
         yield nodes
@@ -86,6 +88,30 @@ def test_cancelling_a_split_instance_request_frees_both_ranks(two_nodes):
     threading.Thread(target=ask, daemon=True).start()
     assert done.wait(60), "the next request hung after a cancellation"
     assert result["text"]
+
+
+def test_cancelling_during_prefill_frees_both_ranks(two_nodes):
+    place_and_wait(two_nodes[0], "Pipeline", 2)
+    long_prompt = [{"role": "user", "content": "cluster node model token " * 600}]
+    progress = []
+    with httpx.stream(
+        "POST",
+        f"{two_nodes[1].url}/v1/chat/completions",
+        json={"model": TINY_MODEL_ID, "messages": long_prompt, "max_tokens": 2000, "temperature": 0, "stream": True},
+        timeout=60,
+    ) as response:
+        for line in response.iter_lines():
+            assert not line.startswith("data:"), f"the answer started before the cancel: {line}"
+            if line.startswith(": prefill"):
+                progress.append(line)
+                if len(progress) == 3:
+                    break
+    done, total = map(int, progress[-1].split()[-1].split("/"))
+    assert 0 < done < total, progress
+    # Left alone, the request would prefill on and then decode up to 2000 tokens.
+    two_nodes[0].wait_for_state(lambda s: s["tasks"] == {}, timeout=10, what="task dropped")
+    # Both ranks are free again: the next request completes.
+    assert greedy(two_nodes[0], max_tokens=8)
 
 
 def test_killing_one_rank_fails_the_request_and_the_model_moves_to_the_survivor(two_nodes):
@@ -136,23 +162,27 @@ def three_way_models_dir(tmp_path_factory):
     return models_dir
 
 
-@pytest.mark.parametrize("network", ["loopback", "netns"])
-def test_three_node_pipeline_and_tensor_answer_like_one_node(network, tmp_path, three_way_models_dir):
+@pytest.mark.parametrize(("network", "count"), [("loopback", 3), ("netns", 2), ("netns", 3)])
+def test_split_instances_answer_like_one_node(network, count, tmp_path, three_way_models_dir):
+    """The tiny3 model splits 2 ways (layers 2+1, tensor over 6 heads / 3 KV heads does
+    not divide by 2, so only pipeline) and 3 ways (both)."""
     from cluster import netns_cluster
 
     make_cluster = loopback_cluster if network == "loopback" else netns_cluster
-    with make_cluster(3, tmp_path, {"EXO_MODELS_DIRS": str(three_way_models_dir)}) as nodes:
+    with make_cluster(count, tmp_path, {"EXO_MODELS_DIRS": str(three_way_models_dir)}) as nodes:
         wait_converged(nodes, timeout=60)
-        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 6, timeout=60, what="6 links")
-        sdk = openai.OpenAI(base_url=f"{nodes[2].url}/v1", api_key="unused", max_retries=0, timeout=120)
+        links = count * (count - 1)
+        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == links, timeout=60, what=f"{links} links")
+        sdk = openai.OpenAI(base_url=f"{nodes[-1].url}/v1", api_key="unused", max_retries=0, timeout=120)
         answers = {}
-        for sharding, min_nodes in (("Pipeline", 1), ("Pipeline", 3), ("Tensor", 3)):
+        shardings = [("Pipeline", 1), ("Pipeline", count)] + ([("Tensor", 3)] if count == 3 else [])
+        for sharding, min_nodes in shardings:
             response = nodes[0].post(
                 "/place_instance", json={"model_id": THREE_WAY_MODEL_ID, "sharding": sharding, "min_nodes": min_nodes}
             )
             assert response.status_code == 200, response.text
             instance_id = response.json()["instance_id"]
-            nodes[2].wait_for_state(  # the node we ask sees it ready
+            nodes[-1].wait_for_state(  # the node we ask sees it ready
                 lambda s, i=instance_id: (
                     s["instances"].get(i)
                     and all(
@@ -169,5 +199,6 @@ def test_three_node_pipeline_and_tensor_answer_like_one_node(network, tmp_path, 
                 .message.content
             )
             delete_and_wait(nodes[0], instance_id)
-        assert answers[("Pipeline", 3)] == answers[("Pipeline", 1)]
-        assert answers[("Tensor", 3)] == answers[("Pipeline", 1)]
+        assert answers[("Pipeline", count)] == answers[("Pipeline", 1)]
+        if count == 3:
+            assert answers[("Tensor", 3)] == answers[("Pipeline", 1)]

@@ -4,6 +4,7 @@ picked up between chunks and tokens. The model's text goes through the family's 
 parser, which splits reasoning and tool calls from the answer."""
 
 import json
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -40,7 +41,8 @@ from exo.shared.types.text_generation import (
 )
 
 DEFAULT_MAX_TOKENS = 1024
-PREFILL_STEP = 512
+# Prompt tokens per prefill step: progress and cancellations land between steps.
+PREFILL_STEP = int(os.environ.get("EXO_PREFILL_STEP", "512"))
 
 
 def prefill_chunk(model: nn.Module, tokens: list[int], cache: list[Any]) -> None:
