@@ -1,0 +1,792 @@
+"""Tiny models whose weights script their output: under greedy decoding each one writes a
+known text, so tests can check exact outputs through chat templates, reasoning and
+tool-call parsers and the API adapters, on one node or split over several.
+
+How the weights do it: every block's output projections (attention's o_proj, the MLP's
+and the experts' down_proj, DeepSeek V4's wo_b, Gemma 4's per-layer projection) are zero,
+so each block adds nothing and the hidden state before the final norm is the token's own
+embedding (times a positive scalar, where the architecture scales or mixes residual
+streams). The tokens of the script get one-hot embeddings, and lm_head's row for each
+token's successor points along its predecessor's direction, so the next token depends on
+the current one alone:
+
+    last prompt token -> script[0] -> script[1] -> ... -> script[-1] -> EOS
+
+The last prompt token is the one the family's generation prompt ends with ("\\n" after
+"<|im_start|>assistant", "<think>" for GLM 4.7 and DeepSeek, ...). Each script piece is one
+token: a piece equal to one of the family's marker tokens ("<think>", "<tool_call>", ...)
+uses that added token, any other piece gets a vocabulary entry of its own (which the BPE
+never produces when encoding, so prompts tokenize as they would without the script). Since
+a token has one successor, a script must not repeat a piece; to write the same text twice,
+split it differently the second time ("<|channel|>" once whole, later "<|chan" + "nel|>").
+
+Prompts are rendered for the family's default mode (thinking on where the family has a
+switch); a mode whose generation prompt ends in another token (GLM's or DeepSeek's chat
+mode, which end in "</think>") does not start the script."""
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import _get_classes, load_tokenizer
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import exo.engine.mlx.models  # noqa: F401  (registers DeepSeek V4 with mlx-lm)
+from exo.devtools.tiny_configs import TINY_CONFIGS
+from exo.devtools.tiny_models import _random_weights, _set_vocab_size, _training_sentences
+
+# Parameters that write a block's result into the residual stream, by their module name
+# in mlx-lm's model classes (and ours for DeepSeek V4). Zeroed, they make the block the
+# identity on the stream.
+OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "out_proj", "wo_b", "per_layer_projection")
+# lm_head's weight from a script token's direction to its successor: far above the zero
+# logit every other token gets, and still clear of Gemma's softcap of 30.
+LOGIT_SCALE = 8.0
+
+GET_WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "The city's name."}},
+            "required": ["city"],
+        },
+    },
+}
+SAMPLE_MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+# Chat templates: the families' real ones cut down to what exo passes them (system, user,
+# assistant with reasoning_content and tool_calls, tool results, `tools`,
+# `enable_thinking`), each ending in the family's own generation prompt.
+
+QWEN3_TEMPLATE = r"""
+{%- if tools -%}
+{{- '<|im_start|>system\n' -}}
+{%- if messages[0].role == 'system' -%}{{- messages[0].content + '\n\n' -}}{%- endif -%}
+{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' -}}
+{%- elif messages[0].role == 'system' -%}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) -%}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}
+{%- elif message.role == 'assistant' -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if message.reasoning_content -%}{{- '<think>\n' + message.reasoning_content.strip('\n') + '\n</think>\n\n' -}}{%- endif -%}
+{{- message.content or '' -}}
+{%- for tool_call in message.tool_calls or [] -%}
+{%- if tool_call.function -%}{%- set tool_call = tool_call.function -%}{%- endif -%}
+{{- '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' -}}
+{%- if tool_call.arguments is string -%}{{- tool_call.arguments -}}{%- else -%}{{- tool_call.arguments | tojson -}}{%- endif -%}
+{{- '}\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\n' -}}
+{%- elif message.role == 'tool' -%}
+{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}
+{%- endif -%}
+"""
+
+GLM47_TEMPLATE = r"""
+{{- '[gMASK]<sop>' -}}
+{%- if tools -%}
+{{- '<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n' -}}
+{%- for tool in tools -%}{{- (tool | tojson) + '\n' -}}{%- endfor -%}
+{{- '</tools>\n\nFor each function call, output the function name and arguments within the following XML format:\n<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>' -}}
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' -%}{{- '<|system|>' + m.content -}}
+{%- elif m.role == 'user' -%}{{- '<|user|>' + m.content -}}
+{%- elif m.role == 'assistant' -%}
+{{- '<|assistant|>' -}}
+{%- if m.reasoning_content -%}{{- '<think>' + m.reasoning_content.strip() + '</think>' -}}{%- else -%}{{- '</think>' -}}{%- endif -%}
+{{- (m.content or '').strip() -}}
+{%- for tc in m.tool_calls or [] -%}
+{%- if tc.function -%}{%- set tc = tc.function -%}{%- endif -%}
+{{- '<tool_call>' + tc.name -}}
+{%- if tc.arguments is mapping -%}
+{%- for k, v in tc.arguments.items() -%}
+{{- '<arg_key>' + k + '</arg_key><arg_value>' + (v if v is string else v | tojson) + '</arg_value>' -}}
+{%- endfor -%}
+{%- else -%}{{- tc.arguments -}}{%- endif -%}
+{{- '</tool_call>' -}}
+{%- endfor -%}
+{%- elif m.role == 'tool' -%}
+{{- '<|observation|><tool_response>' + m.content + '</tool_response>' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|assistant|>' + ('</think>' if (enable_thinking is defined and not enable_thinking) else '<think>') -}}
+{%- endif -%}
+"""
+
+MINIMAX_M2_TEMPLATE = r"""
+{%- set system = messages[0].content if messages[0].role == 'system' else 'You are a helpful assistant.' -%}
+{{- ']~!b[]~b]system\n' + system -}}
+{%- if tools -%}
+{{- '\n\n# Tools\nYou may call one or more tools to assist with the user query.\nHere are the tools available in JSONSchema format:\n\n<tools>\n' -}}
+{%- for tool in tools -%}{{- '<tool>' + (tool | tojson) + '</tool>\n' -}}{%- endfor -%}
+{{- '</tools>\n\nWhen making tool calls, use XML format to invoke tools and pass parameters:\n\n<minimax:tool_call>\n<invoke name="tool-name-1">\n<parameter name="param-key-1">param-value-1</parameter>\n<parameter name="param-key-2">param-value-2</parameter>\n...\n</invoke>\n</minimax:tool_call>' -}}
+{%- endif -%}
+{{- '[e~[\n' -}}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}{{- ']~b]user\n' + m.content + '[e~[\n' -}}
+{%- elif m.role == 'assistant' -%}
+{{- ']~b]ai\n' -}}
+{%- if m.reasoning_content -%}{{- '<think>\n' + m.reasoning_content.strip() + '\n</think>\n\n' -}}{%- endif -%}
+{{- m.content or '' -}}
+{%- if m.tool_calls -%}
+{{- '\n<minimax:tool_call>\n' -}}
+{%- for tc in m.tool_calls -%}
+{%- if tc.function -%}{%- set tc = tc.function -%}{%- endif -%}
+{{- '<invoke name="' + tc.name + '">\n' -}}
+{%- if tc.arguments is mapping -%}
+{%- for k, v in tc.arguments.items() -%}
+{{- '<parameter name="' + k + '">' + (v if v is string else v | tojson) + '</parameter>\n' -}}
+{%- endfor -%}
+{%- else -%}{{- tc.arguments + '\n' -}}{%- endif -%}
+{{- '</invoke>\n' -}}
+{%- endfor -%}
+{{- '</minimax:tool_call>' -}}
+{%- endif -%}
+{{- '[e~[\n' -}}
+{%- elif m.role == 'tool' -%}{{- ']~b]tool\n<response>' + m.content + '</response>[e~[\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- ']~b]ai\n<think>\n' -}}{%- endif -%}
+"""
+
+KIMI_K2_TEMPLATE = r"""
+{%- if tools -%}{{- '<|im_system|>tool_declare<|im_middle|>' + (tools | tojson) + '<|im_end|>' -}}{%- endif -%}
+{%- if messages[0].role != 'system' -%}
+{{- '<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>' -}}
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' -%}{{- '<|im_system|>system<|im_middle|>' + m.content + '<|im_end|>' -}}
+{%- elif m.role == 'user' -%}{{- '<|im_user|>user<|im_middle|>' + m.content + '<|im_end|>' -}}
+{%- elif m.role == 'assistant' -%}
+{{- '<|im_assistant|>assistant<|im_middle|><think>' + (m.reasoning_content or '') + '</think>' + (m.content or '') -}}
+{%- if m.tool_calls -%}
+{{- '<|tool_calls_section_begin|>' -}}
+{%- for tc in m.tool_calls -%}
+{%- set f = tc.function if tc.function else tc -%}
+{{- '<|tool_call_begin|>' + (tc.id or 'functions.' + f.name + ':' + loop.index0 | string) + '<|tool_call_argument_begin|>' -}}
+{{- f.arguments if f.arguments is string else f.arguments | tojson -}}
+{{- '<|tool_call_end|>' -}}
+{%- endfor -%}
+{{- '<|tool_calls_section_end|>' -}}
+{%- endif -%}
+{{- '<|im_end|>' -}}
+{%- elif m.role == 'tool' -%}
+{{- '<|im_system|>tool<|im_middle|>## Return of ' + (m.tool_call_id or '') + '\n' + m.content + '<|im_end|>' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_assistant|>assistant<|im_middle|>' -}}{%- endif -%}
+"""
+
+GEMMA4_TEMPLATE = r"""
+{%- macro value(v) -%}{%- if v is string -%}{{- '<|"|>' + v + '<|"|>' -}}{%- else -%}{{- v | tojson -}}{%- endif -%}{%- endmacro -%}
+{{- bos_token -}}
+{%- set has_system = messages[0].role == 'system' -%}
+{%- if has_system or tools or enable_thinking -%}
+{{- '<|turn>system\n' -}}
+{%- if enable_thinking -%}{{- '<|think|>' -}}{%- endif -%}
+{%- if has_system -%}{{- messages[0].content -}}{%- endif -%}
+{%- for tool in tools or [] -%}
+{%- set f = tool.function if tool.function else tool -%}
+{{- '<|tool>declaration:' + f.name + (f | tojson) + '<tool|>' -}}
+{%- endfor -%}
+{{- '<turn|>\n' -}}
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}{{- '<|turn>user\n' + m.content + '<turn|>\n' -}}
+{%- elif m.role == 'assistant' -%}
+{{- '<|turn>model\n' + (m.content or '') -}}
+{%- for tc in m.tool_calls or [] -%}
+{%- set f = tc.function if tc.function else tc -%}
+{{- '<|tool_call>call:' + f.name + '{' -}}
+{%- if f.arguments is mapping -%}
+{%- for k, v in f.arguments.items() -%}{{- k + ':' + value(v) -}}{%- if not loop.last -%},{%- endif -%}{%- endfor -%}
+{%- endif -%}
+{{- '}<tool_call|>' -}}
+{%- endfor -%}
+{%- if not m.tool_calls -%}{{- '<turn|>\n' -}}{%- endif -%}
+{%- elif m.role == 'tool' -%}
+{{- '<|tool_response>response:' + (m.name or 'tool') + '{value:' + value(m.content) + '}<tool_response|>' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|turn>model\n' -}}{%- endif -%}
+"""
+
+# Harmony as gpt-oss's template writes it, with the tools' parameters as JSON schema
+# rather than the template's TypeScript rendering of them.
+HARMONY_TEMPLATE = r"""
+{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\n\nReasoning: ' + (reasoning_effort or 'medium') + '\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.' -}}
+{%- if tools -%}{{- "\nCalls to these tools must go to the commentary channel: 'functions'." -}}{%- endif -%}
+{{- '<|end|>' -}}
+{%- set has_system = messages[0].role in ('system', 'developer') -%}
+{%- if has_system or tools -%}
+{{- '<|start|>developer<|message|>' -}}
+{%- if has_system -%}{{- '# Instructions\n\n' + messages[0].content -}}{%- endif -%}
+{%- if tools -%}
+{{- '\n\n# Tools\n\n## functions\n\nnamespace functions {\n\n' -}}
+{%- for tool in tools -%}
+{%- set f = tool.function if tool.function else tool -%}
+{{- '// ' + (f.description or '') + '\ntype ' + f.name + ' = (_: ' + (f.parameters | tojson) + ') => any;\n\n' -}}
+{%- endfor -%}
+{{- '} // namespace functions' -}}
+{%- endif -%}
+{{- '<|end|>' -}}
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}{{- '<|start|>user<|message|>' + m.content + '<|end|>' -}}
+{%- elif m.role == 'assistant' -%}
+{%- if m.reasoning_content -%}{{- '<|start|>assistant<|channel|>analysis<|message|>' + m.reasoning_content + '<|end|>' -}}{%- endif -%}
+{%- if m.tool_calls -%}
+{%- for tc in m.tool_calls -%}
+{%- set f = tc.function if tc.function else tc -%}
+{{- '<|start|>assistant<|channel|>commentary to=functions.' + f.name + ' <|constrain|>json<|message|>' -}}
+{{- (f.arguments if f.arguments is string else f.arguments | tojson) + '<|call|>' -}}
+{%- endfor -%}
+{%- else -%}{{- '<|start|>assistant<|channel|>final<|message|>' + (m.content or '') + '<|end|>' -}}
+{%- endif -%}
+{%- elif m.role == 'tool' -%}
+{{- '<|start|>functions.' + (m.name or 'tool') + ' to=assistant<|channel|>commentary<|message|>' + m.content + '<|end|>' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|start|>assistant' -}}{%- endif -%}
+"""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a scripted model of one family needs: the architecture's config, the
+    tokenizer's special tokens and its chat template (None where exo encodes prompts in
+    Python: DeepSeek V3.2 and V4)."""
+
+    config: dict[str, Any]
+    model_type: str
+    chat_template: str | None
+    bos: str | None
+    # The token a scripted output ends with, and every end-of-generation token.
+    eos: str
+    stop_tokens: tuple[str, ...]
+    # Special tokens that frame turns and never show in an answer.
+    control_tokens: tuple[str, ...]
+    # Added tokens an answer may contain: think and tool-call markers.
+    marker_tokens: tuple[str, ...] = ()
+
+
+_DEEPSEEK_CONTROL = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
+
+FAMILIES: dict[str, Family] = {
+    "qwen3": Family(
+        config=TINY_CONFIGS["qwen3"],
+        model_type="qwen3",
+        chat_template=QWEN3_TEMPLATE,
+        bos=None,
+        eos="<|im_end|>",
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        control_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        marker_tokens=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+    ),
+    "glm4_moe": Family(
+        config=TINY_CONFIGS["glm4_moe"],
+        model_type="glm4_moe",
+        chat_template=GLM47_TEMPLATE,
+        bos=None,
+        eos="<|observation|>",
+        stop_tokens=("<|endoftext|>", "<|user|>", "<|observation|>"),
+        control_tokens=(
+            "<|endoftext|>",
+            "[gMASK]",
+            "<sop>",
+            "<|system|>",
+            "<|user|>",
+            "<|assistant|>",
+            "<|observation|>",
+        ),
+        marker_tokens=(
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+            "<tool_response>",
+            "</tool_response>",
+        ),
+    ),
+    "minimax": Family(
+        config=TINY_CONFIGS["minimax"],
+        model_type="minimax_m2",
+        chat_template=MINIMAX_M2_TEMPLATE,
+        bos="]~!b[",
+        eos="[e~[",
+        stop_tokens=("[e~[",),
+        control_tokens=("]~!b[", "]~b]", "[e~["),
+        marker_tokens=("<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"),
+    ),
+    "kimi_k2": Family(
+        # Without YaRN: transformers has no kimi_k2 config class (Kimi ships its own as remote
+        # code), and its fallback config, which AutoTokenizer reads, cannot take rope_scaling.
+        # Rope does not matter here anyway: attention adds nothing to a scripted model.
+        config={key: value for key, value in TINY_CONFIGS["kimi_k25"]["text_config"].items() if key != "rope_scaling"},
+        model_type="kimi_k2",
+        chat_template=KIMI_K2_TEMPLATE,
+        bos="[BOS]",
+        eos="<|im_end|>",
+        stop_tokens=("<|im_end|>", "[EOS]"),
+        control_tokens=(
+            "[BOS]",
+            "[EOS]",
+            "<|im_end|>",
+            "<|im_user|>",
+            "<|im_assistant|>",
+            "<|im_system|>",
+            "<|im_middle|>",
+        ),
+        marker_tokens=(
+            "<think>",
+            "</think>",
+            "<|tool_calls_section_begin|>",
+            "<|tool_calls_section_end|>",
+            "<|tool_call_begin|>",
+            "<|tool_call_argument_begin|>",
+            "<|tool_call_end|>",
+        ),
+    ),
+    "gemma4": Family(
+        config=TINY_CONFIGS["gemma4"],
+        model_type="gemma4",
+        chat_template=GEMMA4_TEMPLATE,
+        bos="<bos>",
+        eos="<|tool_response>",
+        stop_tokens=("<eos>", "<turn|>", "<|tool_response>"),
+        control_tokens=("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|think|>", "<|tool>", "<tool|>"),
+        marker_tokens=("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", '<|"|>'),
+    ),
+    "gpt_oss": Family(
+        config=TINY_CONFIGS["gpt_oss"],
+        model_type="gpt_oss",
+        chat_template=HARMONY_TEMPLATE,
+        bos="<|startoftext|>",
+        eos="<|call|>",
+        stop_tokens=("<|return|>", "<|call|>", "<|endoftext|>"),
+        control_tokens=("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|call|>"),
+        # Harmony's headers are text to the parser, so they show in the decoded output.
+        marker_tokens=("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"),
+    ),
+    "deepseek_v32": Family(
+        config=TINY_CONFIGS["deepseek_v32"],
+        model_type="deepseek_v32",
+        chat_template=None,
+        bos="<｜begin▁of▁sentence｜>",
+        eos="<｜end▁of▁sentence｜>",
+        stop_tokens=("<｜end▁of▁sentence｜>",),
+        control_tokens=_DEEPSEEK_CONTROL,
+        marker_tokens=("<think>", "</think>"),
+    ),
+    "deepseek_v4": Family(
+        config=TINY_CONFIGS["deepseek_v4"],
+        model_type="deepseek_v4",
+        chat_template=None,
+        bos="<｜begin▁of▁sentence｜>",
+        eos="<｜end▁of▁sentence｜>",
+        stop_tokens=("<｜end▁of▁sentence｜>",),
+        control_tokens=_DEEPSEEK_CONTROL,
+        marker_tokens=("<think>", "</think>"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ScriptedOutput:
+    """A script and what exo's output parser makes of it (reasoning and content exactly as
+    the parser returns them, whitespace included)."""
+
+    script: tuple[str, ...]
+    reasoning: str
+    content: str
+    # (name, arguments) of each tool call, in order.
+    tool_calls: tuple[tuple[str, dict[str, Any]], ...] = field(default_factory=tuple)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.script)
+
+
+_DSML = "｜DSML｜"
+
+# For each family: thinking, a little content and one get_weather call, with some markers
+# split across tokens. The tool is GET_WEATHER_TOOL; the prompt is SAMPLE_MESSAGES.
+FAMILY_SCRIPTS: dict[str, ScriptedOutput] = {
+    "qwen3": ScriptedOutput(
+        script=(
+            "<think>",
+            "\nThe user",
+            " wants the weather in Paris.",
+            "\n</th",
+            "ink>",
+            "\n\nLet me check.",
+            "\n<tool_",
+            "call>",
+            '\n{"name": "get_weather", ',
+            '"arguments": {"city": "Paris"}}',
+            "\n</tool_call>",
+        ),
+        reasoning="\nThe user wants the weather in Paris.\n",
+        content="\n\nLet me check.\n",
+        tool_calls=(("get_weather", {"city": "Paris"}),),
+    ),
+    "glm4_moe": ScriptedOutput(
+        script=(
+            "The user",
+            " wants the weather in Paris.",
+            "</think>",
+            "Let me check.",
+            "<tool_",
+            "call>",
+            "get_weather",
+            "<arg_key>",
+            "city",
+            "</arg_key>",
+            "<arg_value>",
+            "Paris",
+            "</arg_value>",
+            "</tool_call>",
+        ),
+        reasoning="The user wants the weather in Paris.",
+        content="Let me check.",
+        tool_calls=(("get_weather", {"city": "Paris"}),),
+    ),
+    "minimax": ScriptedOutput(
+        script=(
+            "The user",
+            " wants the weather in Paris.",
+            "\n</think>",
+            "\n\nLet me check.",
+            "\n<minimax:",
+            "tool_call>",
+            '\n<invoke name="get_weather">',
+            '\n<parameter name="city">Paris</parameter>',
+            "\n</invoke>",
+            "\n</minimax:tool_call>",
+        ),
+        reasoning="The user wants the weather in Paris.\n",
+        content="\n\nLet me check.\n",
+        tool_calls=(("get_weather", {"city": "Paris"}),),
+    ),
+    "kimi_k2": ScriptedOutput(
+        script=(
+            "<think>",
+            "The user",
+            " wants the weather in Paris.",
+            "</think>",
+            "Let me check.",
+            "<|tool_calls_section_begin|>",
+            "<|tool_call_begin|>",
+            "functions.get_weather:0",
+            "<|tool_call_argument_begin|>",
+            '{"city": "Paris"}',
+            "<|tool_call_end|>",
+            "<|tool_calls_section_",
+            "end|>",
+        ),
+        reasoning="The user wants the weather in Paris.",
+        content="Let me check.",
+        tool_calls=(("get_weather", {"city": "Paris"}),),
+    ),
+    "gemma4": ScriptedOutput(
+        script=(
+            "<|channel>",
+            "thought\n",
+            "The user wants",
+            " the weather in Paris.",
+            "<chan",
+            "nel|>",
+            "Let me check.",
+            "<|tool_call>",
+            "call:get_weather",
+            '{city:<|"|>',
+            "Paris",
+            '<|"|>}',
+            "<tool_call|>",
+        ),
+        reasoning="The user wants the weather in Paris.",
+        content="Let me check.",
+        tool_calls=(("get_weather", {"city": "Paris"}),),
+    ),
+    "gpt_oss": ScriptedOutput(
+        script=(
+            "<|channel|>",
+            "analysis",
+            "<|message|>",
+            "The user",
+            " wants the weather in Paris.",
+            "<|end|>",
+            "<|start|>",
+            "assistant",
+            "<|chan",
+            "nel|>commentary",
+            " to=functions.get_weather ",
+            "<|constrain|>",
+            "json",
+            "<|mess",
+            "age|>",
+            '{"city":',
+            '"Paris"}',
+        ),
+        reasoning="The user wants the weather in Paris.",
+        content="",
+        tool_calls=(("get_weather", {"city": "Paris"}),),
+    ),
+    "deepseek_v32": ScriptedOutput(
+        script=(
+            "The user",
+            " wants the weather in Paris.",
+            "</think>",
+            "Let me check.",
+            f"\n\n<{_DSML}function",
+            "_calls>\n",
+            f'<{_DSML}invoke name="get_weather">\n',
+            f'<{_DSML}parameter name="city" string="true">',
+            "Paris",
+            f"</{_DSML}parameter>\n",
+            f"</{_DSML}invoke>\n",
+            f"</{_DSML}function_calls>",
+        ),
+        reasoning="The user wants the weather in Paris.",
+        content="Let me check.",
+        tool_calls=(("get_weather", {"city": "Paris"}),),
+    ),
+    "deepseek_v4": ScriptedOutput(
+        script=(
+            "The user",
+            " wants the weather in Paris.",
+            "</th",
+            "ink>",
+            "Let me check.",
+            "\n\n<",
+            f"{_DSML}tool",
+            "_calls>\n",
+            f'<{_DSML}invoke name="get_weather">\n',
+            f'<{_DSML}parameter name="city" string="true">',
+            "Paris",
+            f"</{_DSML}parameter>\n",
+            f"</{_DSML}invoke>\n",
+            f"</{_DSML}tool_calls>",
+        ),
+        reasoning="The user wants the weather in Paris.",
+        content="Let me check.",
+        tool_calls=(("get_weather", {"city": "Paris"}),),
+    ),
+}
+
+
+def render_prompt(
+    tokenizer: TokenizerWrapper,
+    family: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    enable_thinking: bool | None = None,
+) -> str:
+    """The prompt exo gives a model of `family`: the chat template with the generation
+    prompt, or for DeepSeek V3.2 and V4 the Python encoders."""
+    if family in ("deepseek_v32", "deepseek_v4"):
+        from exo.engine.encoding import deepseek_v4, deepseek_v32
+        from exo.shared.types.text_generation import ChatMessage
+
+        encoder = deepseek_v4 if family == "deepseek_v4" else deepseek_v32
+        chat = [ChatMessage(**message) for message in messages]
+        return encoder.encode_messages(chat, tools, thinking=enable_thinking is not False)
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **extra)
+
+
+def make_scripted_model(
+    path: Path, family: str, script: list[str] | tuple[str, ...], seed: int = 0, dtype: mx.Dtype = mx.float32
+) -> Path:
+    """Writes at `path` a model of `family` (a FAMILIES key) that, given any prompt the
+    family's template renders with its generation prompt, writes the pieces of `script`
+    one token each and then its EOS token under greedy decoding. Returns `path`."""
+    path = Path(path)
+    spec = FAMILIES[family]
+    _check_script(spec, list(script))
+    piece_ids = _write_tokenizer(path, spec, list(script))
+    tokenizer = load_tokenizer(path)
+    start = _prompt_end_token(tokenizer, family)
+    if start in piece_ids:
+        raise ValueError(f"the prompt's last token {tokenizer.decode([start])!r} is also a script piece")
+    eos = tokenizer.convert_tokens_to_ids(spec.eos)
+    chain = [start, *piece_ids, eos]
+    _write_model(path, spec, chain, len(tokenizer.vocab), tokenizer, seed, dtype)
+    return path
+
+
+def _check_script(spec: Family, script: list[str]) -> None:
+    if not script:
+        raise ValueError("a script needs at least one piece")
+    if any(not piece for piece in script):
+        raise ValueError("script pieces must not be empty")
+    repeated = sorted({piece for piece in script if script.count(piece) > 1})
+    if repeated:
+        raise ValueError(
+            f"script pieces must not repeat (each token has one successor): {repeated}; split repeated text differently"
+        )
+    reserved = [piece for piece in script if piece in spec.control_tokens or piece in spec.stop_tokens]
+    if reserved:
+        raise ValueError(f"control and end-of-generation tokens cannot be script pieces: {reserved}")
+    hidden = _text_config(spec.config)["hidden_size"]
+    if len(script) + 1 > hidden:
+        raise ValueError(f"a script of {len(script)} pieces needs more than the model's {hidden} dimensions")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
+
+
+def _write_tokenizer(path: Path, spec: Family, script: list[str], pad_to_multiple_of: int = 64) -> list[int]:
+    """A byte-level BPE tokenizer with the family's special tokens, and one token for
+    every script piece. Returns the pieces' token ids."""
+    special = list(dict.fromkeys([*([spec.bos] if spec.bos else []), *spec.control_tokens, *spec.stop_tokens]))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(_training_sentences(), trainer)
+
+    # Pieces that are not marker tokens become vocabulary entries with no merge leading to
+    # them: decoding gives their text, encoding a prompt never produces them.
+    data = json.loads(tokenizer.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    to_unicode = _bytes_to_unicode()
+    for piece in script:
+        if piece not in spec.marker_tokens:
+            vocab.setdefault("".join(to_unicode[byte] for byte in piece.encode()), len(vocab))
+    tokenizer = Tokenizer.from_str(json.dumps(data))
+    tokenizer.add_tokens([AddedToken(marker, special=False, normalized=False) for marker in spec.marker_tokens])
+    missing = -tokenizer.get_vocab_size() % pad_to_multiple_of
+    tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": spec.bos,
+        "eos_token": spec.eos,
+        "pad_token": spec.eos,
+        "model_max_length": 4096,
+    }
+    if spec.chat_template is not None:
+        config["chat_template"] = spec.chat_template.strip()
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+    ids = []
+    for piece in script:
+        token = piece if piece in spec.marker_tokens else "".join(to_unicode[byte] for byte in piece.encode())
+        ids.append(tokenizer.token_to_id(token))
+        if tokenizer.decode([ids[-1]], skip_special_tokens=False) != piece:
+            raise ValueError(f"script piece {piece!r} does not decode to itself")
+    return ids
+
+
+def _prompt_end_token(tokenizer: TokenizerWrapper, family: str) -> int:
+    """The token the family's generation prompt ends with, the same with tools or without."""
+    ends = {
+        tokenizer.encode(render_prompt(tokenizer, family, SAMPLE_MESSAGES, tools), add_special_tokens=False)[-1]
+        for tools in (None, [GET_WEATHER_TOOL])
+    }
+    if len(ends) != 1:
+        raise ValueError(f"{family}'s generation prompt ends in different tokens with tools and without")
+    return ends.pop()
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
+def _write_model(
+    path: Path,
+    spec: Family,
+    chain: list[int],
+    vocab_size: int,
+    tokenizer: TokenizerWrapper,
+    seed: int,
+    dtype: mx.Dtype,
+) -> None:
+    config = copy.deepcopy(spec.config)
+    config["model_type"] = spec.model_type
+    _set_vocab_size(config, vocab_size)
+    stop_ids = [tokenizer.convert_tokens_to_ids(token) for token in spec.stop_tokens]
+    bos_id = tokenizer.convert_tokens_to_ids(spec.bos) if spec.bos else None
+    for section in [config, *([config["text_config"]] if "text_config" in config else [])]:
+        # lm_head must be free of the embeddings to map each token to its successor.
+        section["tie_word_embeddings"] = False
+        section["eos_token_id"] = stop_ids
+        section["bos_token_id"] = bos_id
+        section["torch_dtype"] = "float32" if dtype == mx.float32 else "bfloat16"
+
+    mx.random.seed(seed)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(copy.deepcopy(config)))
+    model.set_dtype(dtype)
+    weights = _random_weights(model, seed, perturb_constants=False)
+    for name, value in weights.items():
+        if any(f".{projection}." in name for projection in OUTPUT_PROJECTIONS):
+            weights[name] = mx.zeros_like(value)
+
+    [embed_name] = [name for name in weights if name.endswith(".embed_tokens.weight")]
+    [head_name] = [name for name in weights if name.endswith("lm_head.weight")]
+    embedding = np.array(weights[embed_name].astype(mx.float32))
+    head = np.zeros(weights[head_name].shape, dtype=np.float32)
+    for direction, (token, successor) in enumerate(zip(chain, chain[1:], strict=False)):
+        embedding[token] = 0.0
+        embedding[token, direction] = 1.0
+        head[successor, direction] = LOGIT_SCALE
+    weights[embed_name] = mx.array(embedding).astype(dtype)
+    weights[head_name] = mx.array(head).astype(dtype)
+    model.update(tree_unflatten(list(weights.items())))
+    _check_successors(model, chain)
+
+    mx.save_safetensors(
+        str(path / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
+    )
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _check_successors(model, chain: list[int]) -> None:
+    """Every token of the chain, read in one sequence, predicts the next: the blocks add
+    nothing, whatever attention sees."""
+    logits = model(mx.array([chain[:-1]]))
+    predicted = mx.argmax(logits[0], axis=-1).tolist()
+    if predicted != chain[1:]:
+        raise AssertionError(f"the scripted weights predict {predicted}, not {chain[1:]}")

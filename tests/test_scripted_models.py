@@ -1,0 +1,94 @@
+"""Scripted models write their script, token by token, under greedy decoding after the
+family's own prompt, and exo's output parser reads the expected reasoning, content and
+tool call out of it."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model, load_tokenizer
+
+from exo.devtools.scripted_models import (
+    FAMILIES,
+    FAMILY_SCRIPTS,
+    GET_WEATHER_TOOL,
+    SAMPLE_MESSAGES,
+    make_scripted_model,
+    render_prompt,
+)
+from exo.engine.parsing.base import Parsed
+from exo.engine.parsing.output import make_output_parser, think_markers_for, tool_format_for
+from exo.engine.parsing.reasoning import prompt_opens_reasoning
+
+
+def _greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+def _generate(model_dir: Path, family: str) -> tuple[str, list[str], list[int], str]:
+    """The prompt, the decoded pieces as the engine's detokenizer streams them, the token
+    ids (EOS included) and the decoded text."""
+    model, config = load_model(model_dir)
+    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    prompt = render_prompt(tokenizer, family, SAMPLE_MESSAGES, [GET_WEATHER_TOOL])
+    prompt_ids = mx.array(tokenizer.encode(prompt, add_special_tokens=False))
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    tokens: list[int] = []
+    segments: list[str] = []
+    limit = len(FAMILY_SCRIPTS[family].script) + 4
+    for token, _ in generate_step(prompt_ids, model, max_tokens=limit, sampler=_greedy):
+        tokens.append(int(token))
+        if tokens[-1] in tokenizer.eos_token_ids:
+            break
+        detokenizer.add_token(tokens[-1])
+        segments.append(detokenizer.last_segment)
+    detokenizer.finalize()
+    segments.append(detokenizer.last_segment)
+    return prompt, [s for s in segments if s], tokens, detokenizer.text
+
+
+def _parse(family: str, prompt: str, pieces: list[str]) -> Parsed:
+    spec = FAMILIES[family]
+    markers = think_markers_for(spec.model_type)
+    think_start, think_end = markers or (None, None)
+    starts_in_reasoning = bool(markers) and prompt_opens_reasoning(prompt, *markers)
+    tool_format = tool_format_for(spec.model_type, spec.chat_template)
+    parser = make_output_parser(tool_format, think_start, think_end, starts_in_reasoning, [GET_WEATHER_TOOL])
+    out = Parsed()
+    for piece in pieces:
+        out.extend(parser.feed(piece))
+    out.extend(parser.finish())
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_SCRIPTS))
+def test_greedy_output_is_the_script_and_parses(tmp_path: Path, family: str) -> None:
+    expected = FAMILY_SCRIPTS[family]
+    model_dir = make_scripted_model(tmp_path / family, family, expected.script)
+
+    prompt, segments, tokens, text = _generate(model_dir, family)
+
+    tokenizer = load_tokenizer(model_dir)
+    assert tokens[-1] == tokenizer.convert_tokens_to_ids(FAMILIES[family].eos)
+    assert len(tokens) == len(expected.script) + 1
+    assert text == expected.text
+    for pieces in (segments, list(expected.script)):
+        parsed = _parse(family, prompt, pieces)
+        assert parsed.error is None
+        assert parsed.reasoning == expected.reasoning
+        assert parsed.text == expected.content
+        assert [(call.name, json.loads(call.arguments)) for call in parsed.tool_calls] == list(expected.tool_calls)
+
+
+def test_a_repeated_piece_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="must not repeat"):
+        make_scripted_model(tmp_path / "m", "qwen3", ["a", "b", "a"])
+
+
+def test_the_prompt_end_token_cannot_be_a_piece(tmp_path: Path) -> None:
+    # Qwen3's generation prompt ends with "\n" after "<|im_start|>assistant".
+    with pytest.raises(ValueError, match="last token"):
+        make_scripted_model(tmp_path / "m", "qwen3", ["Hi", "\n", "there"])
