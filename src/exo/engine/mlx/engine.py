@@ -8,14 +8,13 @@ import os
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step, generation_stream
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 
@@ -23,6 +22,7 @@ from exo.engine.base import LayerProgress
 from exo.engine.mlx.chat_template import encode_prompt
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.parallel import broadcast_bytes, connect_group, inner_model
+from exo.engine.mlx.prefix_cache import PrefixCache
 from exo.engine.parsing.base import Parsed, StreamParser
 from exo.engine.parsing.output import make_output_parser, think_markers_for, tool_format_for
 from exo.engine.parsing.reasoning import prompt_opens_reasoning
@@ -37,6 +37,8 @@ from exo.shared.types.text_generation import (
     GenerationStats,
     PrefillProgress,
     TextGenerationTaskParams,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 
@@ -70,7 +72,10 @@ class _Request:
     parser: StreamParser
     max_tokens: int
     submitted_at: float
+    want_logprobs: int | None = None  # None: none; else how many alternatives
     prefilled: int = 0
+    cached_tokens: int = 0
+    output: list[int] = field(default_factory=list)
     tokens: Iterator[tuple[mx.array, mx.array]] | None = None
     first_token_at: float | None = None
     generated: int = 0
@@ -96,6 +101,7 @@ class MlxEngine:
         self.model_type = ""
         self.reasoning_dialect = "none"
         self.tool_format: str | None = None
+        self.prefix_cache: PrefixCache | None = None
         self._requests: dict[str, _Request] = {}
         self._pending_ops: list[dict[str, Any]] = []
         self.shutdown_requested = False
@@ -111,6 +117,7 @@ class MlxEngine:
         self.model, self.tokenizer = load_shard(model_dir, shard, self.group, on_layer_loaded)
         self.model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
         self.tool_format = tool_format_for(self.model_type, self.tokenizer.chat_template)
+        self.prefix_cache = PrefixCache(self.model, self.model_type)
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
         self.reasoning_dialect = shard.model_card.reasoning_dialect.value
 
@@ -179,16 +186,22 @@ class MlxEngine:
         if not prompt:
             prompt = [self.tokenizer.bos_token_id or 0]
         mx.random.seed(seed)
+        assert self.prefix_cache is not None
+        # All but the last prompt token are prefilled; the last starts generate_step.
+        cache, cached = self.prefix_cache.fetch(prompt[:-1])
         self._requests[request_id] = _Request(
             request_id=request_id,
             prompt=prompt,
-            cache=make_prompt_cache(self.model),
+            cache=cache,
             sampler=self._sampler(params),
             detokenizer=self.tokenizer.detokenizer,
             stop_filter=StopSequenceFilter(params.stop),
             parser=self._output_parser(params, prompt_text),
             max_tokens=params.max_tokens or DEFAULT_MAX_TOKENS,
             submitted_at=time.perf_counter(),
+            want_logprobs=(params.top_logprobs or 0) if params.logprobs else None,
+            prefilled=cached,
+            cached_tokens=cached,
         )
 
     def _output_parser(self, params: TextGenerationTaskParams, prompt_text: str) -> StreamParser:
@@ -231,12 +244,13 @@ class MlxEngine:
     def _advance(self, request: _Request) -> ChunkGenerated:
         assert self.model is not None and self.tokenizer is not None
         command_id = CommandId(request.request_id)
-        # All but the last prompt token are prefilled; the last starts generate_step.
         to_prefill = len(request.prompt) - 1
         if request.prefilled < to_prefill:
             end = min(request.prefilled + PREFILL_STEP, to_prefill)
             prefill_chunk(self.model, request.prompt[request.prefilled : end], request.cache)
             request.prefilled = end
+            assert self.prefix_cache is not None
+            self.prefix_cache.remember_boundary(request.prompt[:end], request.cache)
             return ChunkGenerated(
                 command_id=command_id,
                 prefill=PrefillProgress(processed_tokens=end, total_tokens=len(request.prompt)),
@@ -249,11 +263,12 @@ class MlxEngine:
                 sampler=request.sampler,
                 prompt_cache=request.cache,
             )
-        token_array, _ = next(request.tokens)
+        token_array, logprobs = next(request.tokens)
         token = int(token_array.item()) if isinstance(token_array, mx.array) else int(token_array)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         request.generated += 1
+        request.output.append(token)
         finish_reason: FinishReason | None = None
         if token in self.tokenizer.eos_token_ids:
             finish_reason = "stop"
@@ -284,19 +299,39 @@ class MlxEngine:
             reasoning=parsed.reasoning,
             tool_calls=parsed.tool_calls,
             token_ids=[token],
+            logprobs=None if request.want_logprobs is None else [self._logprob(token, logprobs, request.want_logprobs)],
             finish_reason=finish_reason,
             error_message=parsed.error,
         )
         if finish_reason is None:
             return chunk
         del self._requests[request.request_id]
+        assert self.prefix_cache is not None
+        self.prefix_cache.remember_finished(request.prompt + request.output, request.cache)
         return chunk.model_copy(update={"usage": self._usage(request), "stats": self._stats(request)})
+
+    def _logprob(self, token: int, logprobs: mx.array, top: int) -> TokenLogprob:
+        assert self.tokenizer is not None
+        alternatives = []
+        if top > 0:
+            ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+            ids = ids[mx.argsort(-logprobs[ids])].tolist()
+            alternatives = [
+                TopLogprob(token=self.tokenizer.decode([i]), token_id=i, logprob=float(logprobs[i].item())) for i in ids
+            ]
+        return TokenLogprob(
+            token=self.tokenizer.decode([token]),
+            token_id=token,
+            logprob=float(logprobs[token].item()),
+            top_logprobs=alternatives,
+        )
 
     def _usage(self, request: _Request) -> Usage:
         return Usage(
             prompt_tokens=request.prompt_tokens,
             completion_tokens=request.generated,
             reasoning_tokens=request.reasoning_tokens,
+            cached_tokens=request.cached_tokens,
         )
 
     def _stats(self, request: _Request) -> GenerationStats:
@@ -322,3 +357,4 @@ class MlxEngine:
         self._requests.clear()
         self.model = None
         self.tokenizer = None
+        self.prefix_cache = None

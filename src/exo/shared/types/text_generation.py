@@ -49,6 +49,8 @@ class Usage(FrozenModel):
     completion_tokens: int
     # Of the completion tokens, those that went to reasoning rather than the answer.
     reasoning_tokens: int = 0
+    # Of the prompt tokens, those whose work a cached earlier prompt already did.
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -71,6 +73,22 @@ class ToolCall(FrozenModel):
     arguments: str
 
 
+class TopLogprob(FrozenModel):
+    token: str
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(FrozenModel):
+    """The sampled token's log-probability under the model (before sampling filters),
+    and the most likely alternatives."""
+
+    token: str
+    token_id: int
+    logprob: float
+    top_logprobs: list[TopLogprob] = []
+
+
 class PrefillProgress(FrozenModel):
     processed_tokens: int
     total_tokens: int
@@ -86,6 +104,7 @@ class ChunkGenerated(FrozenModel):
     reasoning: str = ""
     tool_calls: list[ToolCall] = []
     token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
     prefill: PrefillProgress | None = None
     finish_reason: FinishReason | None = None
     error_message: str | None = None
