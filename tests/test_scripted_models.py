@@ -3,9 +3,14 @@ family's own prompt, and exo's output parser reads the expected reasoning, conte
 tool call out of it."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model, load_tokenizer
@@ -92,3 +97,69 @@ def test_the_prompt_end_token_cannot_be_a_piece(tmp_path: Path) -> None:
     # Qwen3's generation prompt ends with "\n" after "<|im_start|>assistant".
     with pytest.raises(ValueError, match="last token"):
         make_scripted_model(tmp_path / "m", "qwen3", ["Hi", "\n", "there"])
+
+
+# The ranks import transformers only for the tokenizer; blocking torch halves their start-up.
+RANK_LAUNCHER = (
+    "import runpy, sys; sys.modules['torch'] = None; "
+    "runpy.run_module('exo.devtools.parallel_check', run_name='__main__', alter_sys=True)"
+)
+RANK_TIMEOUT_S = 180.0
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _pipeline_tokens(model_dir: Path, prompt: list[int], steps: int, out_dir: Path) -> list[list[int]]:
+    """The greedy tokens each rank of a 2-way pipeline split (the engine's own loading and
+    sharding, over the MLX ring on loopback) produces after `prompt`."""
+    hosts = ",".join(f"127.0.0.1:{port}" for port in _free_ports(2))
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MLX_")}
+    procs = []
+    for rank in range(2):
+        cmd = [
+            sys.executable, "-c", RANK_LAUNCHER, str(model_dir), str(out_dir / f"rank{rank}.npz"),
+            "--sharding", "pipeline", "--world-size", "2", "--rank", str(rank), "--hosts", hosts,
+            "--prompt", json.dumps(prompt), "--decode-steps", str(steps),
+        ]  # fmt: skip
+        log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115  (closed once the rank exits)
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=RANK_TIMEOUT_S)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    for rank, (proc, _) in enumerate(procs):
+        if proc.returncode != 0:
+            pytest.fail(
+                f"rank {rank} exited with {proc.returncode}:\n{(out_dir / f'rank{rank}.log').read_text()[-3000:]}"
+            )
+    return [np.load(out_dir / f"rank{rank}.npz")["tokens"].tolist() for rank in range(2)]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v4"])
+def test_split_over_two_ranks_writes_the_script(tmp_path: Path, family: str) -> None:
+    expected = FAMILY_SCRIPTS[family]
+    model_dir = make_scripted_model(tmp_path / family, family, expected.script)
+    tokenizer = load_tokenizer(model_dir)
+    prompt = render_prompt(tokenizer, family, SAMPLE_MESSAGES, [GET_WEATHER_TOOL])
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+
+    ranks = _pipeline_tokens(model_dir, prompt_ids, len(expected.script) + 1, tmp_path)
+
+    eos = tokenizer.convert_tokens_to_ids(FAMILIES[family].eos)
+    for tokens in ranks:
+        assert tokens[-1] == eos
+        assert tokenizer.decode(tokens[:-1]) == expected.text
