@@ -102,6 +102,17 @@ def _randomise(model, seed: int) -> None:
                 tensor.uniform_(-bound, bound, generator=generator)
 
 
+def _with_vocab_size(config: dict, vocab_size: int) -> dict:
+    """`config` with the tokenizer's vocabulary size, also in its text_config (multimodal
+    configs such as Gemma 4's), and in per-layer input tables sized like the vocabulary."""
+    config = {**config, "vocab_size": vocab_size}
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"] = _with_vocab_size(config["text_config"], vocab_size)
+    if "vocab_size_per_layer_input" in config:
+        config["vocab_size_per_layer_input"] = vocab_size
+    return config
+
+
 def write_reference_model(path: Path, config: dict, seed: int = 0):
     """Saves a random transformers model of `config` (float32) with a tokenizer at
     `path`, in Hugging Face layout; returns the transformers model."""
@@ -110,7 +121,7 @@ def write_reference_model(path: Path, config: dict, seed: int = 0):
     from tokenizers import Tokenizer
 
     write_tokenizer(path, config.get("vocab_size", 512), pad_to_multiple_of=64)
-    config = {**config, "vocab_size": Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()}
+    config = _with_vocab_size(config, Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size())
     torch.manual_seed(seed)
     hf_config = transformers.AutoConfig.for_model(**config)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
