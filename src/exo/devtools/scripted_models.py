@@ -436,7 +436,9 @@ class ScriptedOutput:
 _DSML = "｜DSML｜"
 
 # For each family: thinking, a little content and one get_weather call, with some markers
-# split across tokens. The tool is GET_WEATHER_TOOL; the prompt is SAMPLE_MESSAGES.
+# split across tokens. Written for a request with SAMPLE_MESSAGES (or any other messages)
+# and tools=[GET_WEATHER_TOOL]; the expected parts are what exo's output parser returns,
+# so API tests can compare their responses with them.
 FAMILY_SCRIPTS: dict[str, ScriptedOutput] = {
     "qwen3": ScriptedOutput(
         script=(
@@ -626,7 +628,9 @@ def make_scripted_model(
 ) -> Path:
     """Writes at `path` a model of `family` (a FAMILIES key) that, given any prompt the
     family's template renders with its generation prompt, writes the pieces of `script`
-    one token each and then its EOS token under greedy decoding. Returns `path`."""
+    one token each and then its EOS token under greedy decoding. Returns `path`.
+
+    float32 by default: MLX on CPU runs the MoE families' expert matmuls in float32 only."""
     path = Path(path)
     spec = FAMILIES[family]
     _check_script(spec, list(script))
@@ -784,9 +788,14 @@ def _write_model(
 
 
 def _check_successors(model, chain: list[int]) -> None:
-    """Every token of the chain, read in one sequence, predicts the next: the blocks add
-    nothing, whatever attention sees."""
-    logits = model(mx.array([chain[:-1]]))
-    predicted = mx.argmax(logits[0], axis=-1).tolist()
+    """Every token of the chain, read in one sequence, predicts the next, and no other
+    token gets any logit: the hidden state before the final norm has no part along another
+    chain token's direction, so the blocks added nothing, whatever attention saw."""
+    logits = model(mx.array([chain[:-1]]))[0].astype(mx.float32)
+    predicted = mx.argmax(logits, axis=-1).tolist()
     if predicted != chain[1:]:
         raise AssertionError(f"the scripted weights predict {predicted}, not {chain[1:]}")
+    successors = mx.array(chain[1:])[:, None] == mx.arange(logits.shape[-1])[None, :]
+    leak = mx.max(mx.abs(mx.where(successors, 0.0, logits))).item()
+    if leak != 0.0:
+        raise AssertionError(f"the blocks are not the identity: other tokens get logits up to {leak}")
