@@ -55,7 +55,14 @@ def test_completion_streamed_or_not_gives_the_same_greedy_text_and_usage(node: E
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
         whole.choices[0].finish_reason
     ]
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert chunks[-1].choices == []
+    streamed_usage = chunks[-1].usage
+    assert (streamed_usage.prompt_tokens, streamed_usage.completion_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
+    # The same prompt again: the prefix cache did the prompt's work the second time.
+    assert streamed_usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_token_id_prompt_answers_like_the_same_text(node: ExoNode, tiny_models_dir: Path):
@@ -145,5 +152,6 @@ def test_encoder_maps_finish_reasons_and_echo():
         "prompt_tokens": 2,
         "completion_tokens": 1,
         "total_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
         "completion_tokens_details": {"reasoning_tokens": 0},
     }

@@ -56,6 +56,8 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     enable_thinking: bool | None = None
     reasoning_effort: ReasoningEffort | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -78,6 +80,8 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
         seed=request.seed,
         stop=stop,
         tools=request.tools,
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
         tool_choice=request.tool_choice,
         enable_thinking=_enable_thinking(request),
         reasoning_effort=request.reasoning_effort,
@@ -97,7 +101,34 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
         "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+    }
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
+
+
+def logprobs_body(chunks: list[ChunkGenerated]) -> dict[str, Any] | None:
+    """OpenAI's choice.logprobs: one entry per sampled token, with its alternatives."""
+    entries = [entry for chunk in chunks for entry in chunk.logprobs or []]
+    if not any(chunk.logprobs is not None for chunk in chunks):
+        return None
+    return {
+        "content": [
+            {
+                "token": entry.token,
+                "logprob": entry.logprob,
+                "bytes": _token_bytes(entry.token),
+                "top_logprobs": [
+                    {"token": alt.token, "logprob": alt.logprob, "bytes": _token_bytes(alt.token)}
+                    for alt in entry.top_logprobs
+                ],
+            }
+            for entry in entries
+        ],
+        "refusal": None,
     }
 
 
@@ -157,7 +188,12 @@ class ChunkEncoder:
             ]
             self._tool_calls_sent += len(chunk.tool_calls)
         if delta or chunk.finish_reason is not None:
-            choice = {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason, "logprobs": None}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": chunk.finish_reason,
+                "logprobs": logprobs_body([chunk]),
+            }
             extra = {"generation_stats": chunk.stats.model_dump(by_alias=False)} if chunk.stats else {}
             events.append(self._event([choice], **extra))
         if chunk.finish_reason is not None and self.include_usage and chunk.usage is not None:
@@ -186,7 +222,7 @@ def completion_body(completion_id: str, model: str, chunks: list[ChunkGenerated]
                 "index": 0,
                 "message": message,
                 "finish_reason": last.finish_reason,
-                "logprobs": None,
+                "logprobs": logprobs_body(chunks),
             }
         ],
         "usage": usage_body(usage),

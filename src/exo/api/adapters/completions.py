@@ -8,7 +8,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from exo.api.adapters.chat_completions import usage_body
 from exo.shared.types.common import ModelId
-from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, FinishReason, TextGenerationTaskParams, Usage
+from exo.shared.types.text_generation import (
+    ChatMessage,
+    ChunkGenerated,
+    FinishReason,
+    TextGenerationTaskParams,
+    TokenLogprob,
+    Usage,
+)
 
 
 class StreamOptions(BaseModel):
@@ -87,6 +94,7 @@ class CompletionEncoder:
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.error: str | None = None
+        self._logprobs: list[TokenLogprob] = []
 
     def _body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -108,8 +116,10 @@ class CompletionEncoder:
         self.text += text
         self.finish_reason = finish_reason(chunk.finish_reason)
         events = []
+        self._logprobs.extend(chunk.logprobs or [])
         if text or self.finish_reason is not None:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+            logprobs = legacy_logprobs(chunk.logprobs) if chunk.logprobs is not None else None
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
             events.append(self._body([choice]))
         if chunk.finish_reason is not None:
             self.usage = chunk.usage
@@ -118,9 +128,24 @@ class CompletionEncoder:
         return events
 
     def body(self) -> dict[str, Any]:
-        choice = {"index": 0, "text": self.text, "logprobs": None, "finish_reason": self.finish_reason}
+        logprobs = legacy_logprobs(self._logprobs) if self._logprobs else None
+        choice = {"index": 0, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason}
         usage = self.usage or Usage(prompt_tokens=0, completion_tokens=0)
         return self._body([choice], usage=usage_body(usage))
+
+
+def legacy_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """The legacy Completions shape: parallel lists, alternatives as token -> logprob maps."""
+    offsets, position = [], 0
+    for entry in entries:
+        offsets.append(position)
+        position += len(entry.token)
+    return {
+        "tokens": [entry.token for entry in entries],
+        "token_logprobs": [entry.logprob for entry in entries],
+        "top_logprobs": [{alt.token: alt.logprob for alt in entry.top_logprobs} for entry in entries],
+        "text_offset": offsets,
+    }
 
 
 def sse(event: dict[str, Any]) -> str:
