@@ -134,13 +134,24 @@ def write_reference_model(path: Path, config: dict, seed: int = 0):
     return model
 
 
+def _reference_prompt_kwargs(config) -> dict:
+    """Gemma 4 in transformers 5.24 slices `per_layer_inputs` before its KV-shared layers
+    without checking for None, so a multi-token forward fails for KV-shared models
+    without per-layer inputs (the MoE layouts); asking for hidden states turns that
+    slicing (a no-op for full logits) off."""
+    text = config.get_text_config()
+    if getattr(text, "num_kv_shared_layers", 0) and not getattr(text, "hidden_size_per_layer_input", 1):
+        return {"output_hidden_states": True}
+    return {}
+
+
 def reference_run(model, prompt: list[int], decode_steps: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """Prompt logits [L, V], then greedy decode through transformers' cache: the logits
     [decode_steps, V] of each step and the tokens chosen."""
     import torch
 
     with torch.no_grad():
-        out = model(torch.tensor([prompt]), use_cache=True)
+        out = model(torch.tensor([prompt]), use_cache=True, **_reference_prompt_kwargs(model.config))
         prompt_logits, cache = out.logits[0].float().numpy(), out.cache
         tokens, step_logits = [], []
         last = prompt_logits[-1]
@@ -188,29 +199,35 @@ class Comparison:
     tokens_agree: bool
 
 
+def compare_engine_model(
+    model, prompt: list[int], ref_prompt: np.ndarray, ref_steps: np.ndarray, tokens: list[int], chunks: int = 1
+) -> Comparison:
+    """The engine model's logits against the reference's (from `reference_run`), with the
+    prompt prefilled in `chunks` calls."""
+    prompt_logits, step_logits = engine_run(model, prompt, tokens, chunks)
+    greedy = [int(row.argmax()) for row in [prompt_logits[-1], *step_logits[:-1]]]
+    return Comparison(
+        chunks=chunks,
+        prompt_diff=float(np.abs(prompt_logits - ref_prompt).max()),
+        decode_diff=float(np.abs(step_logits - ref_steps).max()) if tokens else 0.0,
+        tokens_agree=greedy == tokens,
+    )
+
+
+def random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab_size, length)]
+
+
 def compare(
     config: dict, prompt_len: int = 64, decode_steps: int = 32, chunk_counts: tuple[int, ...] = (1, 3), seed: int = 0
 ) -> list[Comparison]:
     with tempfile.TemporaryDirectory(prefix="exo-onboard-") as tmp:
         path = Path(tmp)
         reference = write_reference_model(path, config, seed)
-        vocab = reference.config.vocab_size
-        prompt = [int(t) for t in np.random.default_rng(seed).integers(0, vocab, prompt_len)]
+        prompt = random_prompt(reference.config.get_text_config().vocab_size, prompt_len, seed)
         ref_prompt, ref_steps, tokens = reference_run(reference, prompt, decode_steps)
         model = load_engine_model(path)
-        results = []
-        for chunks in chunk_counts:
-            prompt_logits, step_logits = engine_run(model, prompt, tokens, chunks)
-            greedy = [int(row.argmax()) for row in [prompt_logits[-1], *step_logits[:-1]]]
-            results.append(
-                Comparison(
-                    chunks=chunks,
-                    prompt_diff=float(np.abs(prompt_logits - ref_prompt).max()),
-                    decode_diff=float(np.abs(step_logits - ref_steps).max()) if decode_steps else 0.0,
-                    tokens_agree=greedy == tokens,
-                )
-            )
-        return results
+        return [compare_engine_model(model, prompt, ref_prompt, ref_steps, tokens, chunks) for chunks in chunk_counts]
 
 
 def main() -> None:
