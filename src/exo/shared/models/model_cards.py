@@ -194,6 +194,24 @@ def has_tensor_strategy(model_type: str) -> bool:
     return module.exists() and "def shard(" in module.read_text(encoding="utf-8")
 
 
+# The reasoning dialect of each family, by config.json's model_type, as the built-in
+# cards set it; a local model of a family behaves like the family's published models.
+FAMILY_REASONING_DIALECTS: dict[str, ReasoningDialect] = {
+    "qwen3": ReasoningDialect.post_last_user,
+    "qwen3_moe": ReasoningDialect.post_last_user,
+    "qwen3_next": ReasoningDialect.post_last_user,
+    "deepseek_v3": ReasoningDialect.post_last_user,
+    "glm4_moe": ReasoningDialect.post_last_user,
+    "minimax_m2": ReasoningDialect.post_last_user,
+    "kimi_k2": ReasoningDialect.suffix,
+    "gpt_oss": ReasoningDialect.channel,
+    "deepseek_v32": ReasoningDialect.tool_conditional,
+    "deepseek_v4": ReasoningDialect.tool_conditional,
+    # Gemma 4's cards set none: earlier thoughts never go back to the model.
+    "gemma4": ReasoningDialect.none,
+}
+
+
 def card_from_model_dir(model_dir: Path, model_id: str) -> ModelCard:
     """A card derived from config.json alone, for models exo has no built-in card for."""
     config = json.loads((model_dir / "config.json").read_text())
@@ -207,16 +225,18 @@ def card_from_model_dir(model_dir: Path, model_id: str) -> ModelCard:
     bits = quantization.get("bits")
     capabilities = ["text", "vision"] if "vision_config" in config else ["text"]
     weight_bytes = sum(path.stat().st_size for path in _weight_files(model_dir) or [])
+    model_type = config.get("model_type", "")
     return ModelCard(
         model_id=model_id,
         n_layers=n_layers,
         hidden_size=hidden_size,
         num_key_value_heads=kv_heads,
-        supports_tensor=has_tensor_strategy(config.get("model_type", "")),
+        supports_tensor=has_tensor_strategy(model_type),
         tasks=[ModelTask.TextGeneration],
-        family=config.get("model_type", ""),
+        family=model_type,
         quantization=f"{bits}bit" if bits else "",
         capabilities=capabilities,
+        reasoning_dialect=FAMILY_REASONING_DIALECTS.get(model_type, ReasoningDialect.none),
         context_length=_config_value(config, "max_position_embeddings"),
         storage_size=StorageSize(in_bytes=weight_bytes),
     )
