@@ -32,6 +32,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-worker", action="store_true", help="serve the API and coordinate, but run no models")
     parser.add_argument("--force-master", action="store_true", help="always win master elections")
     parser.add_argument("--place-model", metavar="MODEL_ID", help="place this model once the node is up")
+    auto_place = parser.add_mutually_exclusive_group()
+    auto_place.add_argument(
+        "--auto-place",
+        dest="auto_place",
+        action="store_true",
+        default=None,
+        help="place a requested model that has no instance (default: only on a one-node cluster)",
+    )
+    auto_place.add_argument(
+        "--no-auto-place", dest="auto_place", action="store_false", help="never place models on request"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser.parse_args(argv)
 
@@ -62,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         force_master=args.force_master,
         verbose=args.verbose,
         place_model=args.place_model,
+        auto_place=args.auto_place,
     )
     try:
         asyncio.run(Node(config).run())

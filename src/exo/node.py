@@ -35,6 +35,9 @@ class NodeConfig:
     force_master: bool = False
     verbose: bool = False
     place_model: str | None = None
+    # Place a requested model that has no instance and wait for it; None: only when the
+    # cluster has exactly one node.
+    auto_place: bool | None = None
 
 
 def load_node_id(exo_home: Path) -> NodeId:

@@ -17,7 +17,8 @@ from exo.api.errors import (
     unexpected_error_handler,
     validation_error_handler,
 )
-from exo.api.routers import claude, cluster, completions, ollama, openai_chat, responses
+from exo.api.limits import RequestSizeLimit, max_request_bytes
+from exo.api.routers import cancel, claude, cluster, completions, ollama, openai_chat, responses
 
 if TYPE_CHECKING:
     from exo.node import Node
@@ -35,6 +36,9 @@ def create_app(node: "Node") -> FastAPI:
     app = FastAPI(title="exo", lifespan=lifespan)
     app.state.node = node
     app.state.chunk_streams = chunk_streams
+    # Models this node placed for a request, until the instance shows in State.
+    app.state.placing = {}
+    app.add_middleware(RequestSizeLimit, limit=max_request_bytes())
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
@@ -46,4 +50,5 @@ def create_app(node: "Node") -> FastAPI:
     app.include_router(responses.router)
     app.include_router(completions.router)
     app.include_router(ollama.router)
+    app.include_router(cancel.router)
     return app

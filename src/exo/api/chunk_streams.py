@@ -26,6 +26,9 @@ class ChunkStreams:
         self._streams[command_id] = queue
         return queue
 
+    def is_open(self, command_id: CommandId) -> bool:
+        return command_id in self._streams
+
     def close(self, command_id: CommandId) -> None:
         self._streams.pop(command_id, None)
 

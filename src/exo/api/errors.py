@@ -35,6 +35,8 @@ def _error_type(status_code: int) -> str:
 def _anthropic_error_type(status_code: int) -> str:
     if status_code == 404:
         return "not_found_error"
+    if status_code == 413:
+        return "request_too_large"
     if status_code == 503:
         return "overloaded_error"
     if status_code < 500:

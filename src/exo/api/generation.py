@@ -1,8 +1,10 @@
-"""The one flow every generation endpoint shares: send a TextGeneration command, wait
+"""The one flow every generation endpoint shares: place the model if auto-placement is on
+and it has no instance (and wait for it to load), send a TextGeneration command, wait
 until the master accepts it, stream its chunks, and finish the task when the stream ends
 or the client leaves (which is also how generation is cancelled)."""
 
 import asyncio
+import time
 from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncIterator, Callable
 from functools import lru_cache
@@ -11,13 +13,16 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from loguru import logger
 
 from exo.api.errors import ApiError
-from exo.api.routers.cluster import card_or_404, node_of
+from exo.api.routers.cluster import card_or_404, node_of, place_model
 from exo.master.master import least_loaded_instance
 from exo.shared.models.model_cards import find_local_model_dir
 from exo.shared.types.commands import TaskFinished, TextGeneration
-from exo.shared.types.common import CommandId, ModelId
+from exo.shared.types.common import CommandId, InstanceId, ModelId
+from exo.shared.types.runners import SERVING_STATUSES, RunnerFailed, RunnerLoading
+from exo.shared.types.state import State
 from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams
 
 if TYPE_CHECKING:
@@ -28,6 +33,12 @@ if TYPE_CHECKING:
 
 # A command can be lost while the cluster elects a new master; don't wait forever.
 ACCEPT_TIMEOUT_SECONDS = 15.0
+# How long a request waits for the model it placed to download, load and warm up.
+PLACE_TIMEOUT_SECONDS = 3600.0
+# A placed instance takes a moment to reach State; after that, a missing one is gone.
+PLACEMENT_VISIBLE_SECONDS = 10.0
+# Streams waiting for a model send a comment this often, so clients and proxies wait too.
+KEEPALIVE_SECONDS = 2.0
 
 
 async def wait_until_accepted(
@@ -53,29 +64,158 @@ async def wait_until_accepted(
     return []
 
 
-def require_instance(request: Request, model: str) -> None:
-    """A 404 (in the calling API's error shape) for an unknown model or one not placed."""
+def auto_place_enabled(node: "Node") -> bool:
+    """The --auto-place / --no-auto-place flag, else on only in a one-node cluster."""
+    if node.config.auto_place is not None:
+        return node.config.auto_place
+    return len(node.replica.state.nodes) == 1
+
+
+def require_instance(request: Request, model: str) -> InstanceId | None:
+    """None when an instance of the model serves; else the instance to wait for: one being
+    loaded, or one placed now when auto-placement is on. A 404 (in the calling API's error
+    shape) for an unknown model, or a known one not placed when auto-placement is off; a
+    400 when the model cannot be placed."""
     node = node_of(request)
     card_or_404(node, model)
-    if least_loaded_instance(node.replica.state, ModelId(model)) is None:
+    state = node.replica.state
+    if least_loaded_instance(state, ModelId(model)) is not None:
+        return None
+    if not auto_place_enabled(node):
         raise ApiError(
             404,
             f"model '{model}' has no running instance; place it first (POST /place_instance)",
             code="model_not_loaded",
             param="model",
         )
+    loading = [i.instance_id for i in state.instances.values() if i.model_id == model]
+    if loading:
+        return loading[0]
+    # Requests that arrive before the placed instance reaches State wait for it too.
+    placing: dict[str, tuple[InstanceId, float]] = request.app.state.placing
+    now = time.monotonic()
+    if model in placing and now - placing[model][1] < PLACEMENT_VISIBLE_SECONDS:
+        return placing[model][0]
+    instance_id = place_model(node, model).instance.instance_id
+    placing[model] = (instance_id, now)
+    logger.info(f"auto-placing {model} as instance {instance_id}")
+    return instance_id
+
+
+def prompt_token_count(tokenizer: "Tokenizer", params: TextGenerationTaskParams) -> int:
+    """The tokens of the prompt's text, without the few a chat template adds."""
+    if isinstance(params.prompt, list):
+        return len(params.prompt)
+    if isinstance(params.prompt, str):
+        text = params.prompt
+    else:
+        parts: list[str] = []
+        for message in params.messages:
+            if isinstance(message.content, str):
+                parts.append(message.content)
+            elif message.content:
+                parts += [str(part.get("text", "")) for part in message.content if isinstance(part, dict)]
+            parts.append(message.reasoning_content or "")
+        text = "\n".join(parts)
+    return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+async def check_prompt_length(request: Request, params: TextGenerationTaskParams) -> None:
+    """A 400 for a prompt longer than the model's context, where its tokenizer is local."""
+    card = node_of(request).cards().get(params.model)
+    if card is None or not card.context_length:
+        return
+    tokenizer = local_tokenizer(request, params.model)
+    if tokenizer is None:
+        return
+    tokens = await asyncio.to_thread(prompt_token_count, tokenizer, params)
+    if tokens > card.context_length:
+        raise ApiError(
+            400,
+            f"prompt too long: {tokens} tokens, but {params.model} has a context of {card.context_length} tokens",
+            code="context_length_exceeded",
+            param="messages",
+        )
+
+
+def loading_comment(state: State, instance_id: InstanceId) -> str:
+    """An SSE comment saying how far the instance's runners have loaded the model."""
+    instance = state.instances.get(instance_id)
+    runners = instance.shard_assignments.runner_to_shard if instance is not None else {}
+    loading = [s for r in runners if isinstance(s := state.runners.get(r), RunnerLoading) and s.total_layers]
+    if loading:
+        done = sum(s.layers_loaded for s in loading)
+        total = sum(s.total_layers for s in loading)
+        return f": loading model {done}/{total} layers\n\n"
+    return ": waiting\n\n"
 
 
 class Generation:
-    """One accepted TextGeneration command and its chunk stream."""
+    """One TextGeneration command and its chunk stream."""
 
-    def __init__(self, node: "Node", streams: "ChunkStreams", command_id: CommandId) -> None:
+    def __init__(self, node: "Node", streams: "ChunkStreams", params: TextGenerationTaskParams) -> None:
         self.node = node
         self.streams = streams
-        self.command_id = command_id
-        self.queue = streams.open(command_id)
+        self.command = TextGeneration(params=params, origin_session=node.session_id)
+        self.command_id = self.command.command_id
+        # Open before sending the command, so no chunk (nor a cancel) arrives unclaimed.
+        self.queue = streams.open(self.command_id)
         self.early: list[ChunkGenerated] = []
+        # The instance placed for this request, to wait for before sending the command.
+        self.placing: InstanceId | None = None
         self._finished = False
+
+    async def start(self) -> AsyncIterator[str]:
+        """Waits for the instance being placed (yielding a keep-alive comment every few
+        seconds), then sends the command and waits until the master accepts it. A cancel
+        during the wait ends it without sending. Raises ApiError."""
+        if self.placing is not None:
+            async for comment in self._wait_for_instance(self.placing):
+                yield comment
+            self.placing = None
+        if not self.early:
+            self.node.send_command(self.command)
+            self.early = await wait_until_accepted(self.node, self.command_id, self.queue)
+
+    async def _wait_for_instance(self, instance_id: InstanceId) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        next_comment = started
+        last_failure = ""
+        first_chunk = asyncio.ensure_future(self.queue.get())
+        try:
+            while True:
+                if first_chunk.done():
+                    self.early = [first_chunk.result()]
+                    return
+                state = self.node.replica.state
+                instance = state.instances.get(instance_id)
+                now = loop.time()
+                if instance is None and now - started > PLACEMENT_VISIBLE_SECONDS:
+                    raise ApiError(
+                        503,
+                        f"the instance placed for '{self.command.params.model}' is gone before it served"
+                        + (f"; its runner failed: {last_failure}" if last_failure else ""),
+                        code="model_load_failed",
+                    )
+                if instance is not None:
+                    statuses = [state.runners.get(r) for r in instance.shard_assignments.runner_to_shard]
+                    if all(isinstance(s, SERVING_STATUSES) for s in statuses):
+                        return
+                    failures = [s.error_message for s in statuses if isinstance(s, RunnerFailed)]
+                    last_failure = failures[0] if failures else last_failure
+                if now - started > PLACE_TIMEOUT_SECONDS:
+                    raise ApiError(503, "timed out waiting for the model to load", code="model_load_timeout")
+                if now >= next_comment:
+                    yield loading_comment(state, instance_id)
+                    next_comment = now + KEEPALIVE_SECONDS
+                changed = asyncio.ensure_future(
+                    self.node.replica.wait_for(lambda s, seen=state: s is not seen, timeout=3600)
+                )
+                await asyncio.wait({first_chunk, changed}, timeout=next_comment - now, return_when=FIRST_COMPLETED)
+                changed.cancel()
+        finally:
+            first_chunk.cancel()
 
     def chunks(self) -> AsyncIterator[ChunkGenerated]:
         return self.streams.until_finished(self.queue, self.early)
@@ -95,14 +235,18 @@ class Generation:
             self.finish()
 
 
-async def start_generation(request: Request, params: TextGenerationTaskParams) -> Generation:
-    require_instance(request, params.model)
-    node = node_of(request)
-    command = TextGeneration(params=params, origin_session=node.session_id)
-    generation = Generation(node, request.app.state.chunk_streams, command.command_id)
-    node.send_command(command)
+async def start_generation(request: Request, params: TextGenerationTaskParams, stream: bool = False) -> Generation:
+    """A Generation whose command the master accepted; for a stream that waits for an
+    instance being placed, the wait happens in stream_response (with keep-alives)."""
+    await check_prompt_length(request, params)
+    placing = require_instance(request, params.model)
+    generation = Generation(node_of(request), request.app.state.chunk_streams, params)
+    generation.placing = placing
+    if stream and placing is not None:
+        return generation
     try:
-        generation.early = await wait_until_accepted(node, command.command_id, generation.queue)
+        async for _ in generation.start():
+            pass
     except BaseException:
         generation.finish()
         raise
@@ -115,10 +259,20 @@ def stream_response(
     media_type: str = "text/event-stream",
 ) -> StreamingResponse:
     """Streams encode(chunks); `finally` also runs when the client disconnects, and
-    finishing the task then is what cancels the generation."""
+    finishing the task then is what cancels the generation. While the model loads, SSE
+    streams get keep-alive comments (NDJSON has no comments, so Ollama's get nothing);
+    a failed load becomes the stream's error chunk."""
 
     async def body() -> AsyncIterator[str]:
         try:
+            try:
+                async for comment in generation.start():
+                    if media_type == "text/event-stream":
+                        yield comment
+            except ApiError as error:
+                generation.early = [
+                    ChunkGenerated(command_id=generation.command_id, finish_reason="error", error_message=error.message)
+                ]
             async for line in encode(generation.chunks()):
                 yield line
         finally:

@@ -139,9 +139,9 @@ class ResponseEncoder:
     """Turns one request's chunks into Responses stream events (numbered), and keeps the
     output items so the same pass gives the final response object."""
 
-    def __init__(self, request: ResponsesRequest) -> None:
+    def __init__(self, request: ResponsesRequest, response_id: str | None = None) -> None:
         self.request = request
-        self.response_id = f"resp_{new_id()}"
+        self.response_id = response_id or f"resp_{new_id()}"
         self.created_at = int(time.time())
         self.output: list[dict[str, Any]] = []
         self.status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"

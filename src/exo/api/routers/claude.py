@@ -16,7 +16,6 @@ from exo.api.adapters.claude_messages import (
 from exo.api.errors import ApiError
 from exo.api.generation import local_tokenizer, start_generation, stream_response
 from exo.api.routers.cluster import card_or_404, node_of
-from exo.shared.types.common import new_id
 from exo.shared.types.text_generation import ChunkGenerated
 
 router = APIRouter(prefix="/v1/messages")
@@ -24,8 +23,8 @@ router = APIRouter(prefix="/v1/messages")
 
 @router.post("")
 async def create_message(request: Request, body: ClaudeMessagesRequest):
-    generation = await start_generation(request, to_task_params(body))
-    encoder = MessageEncoder(f"msg_{new_id()}", body.model)
+    generation = await start_generation(request, to_task_params(body), bool(body.stream))
+    encoder = MessageEncoder(f"msg_{generation.command_id}", body.model)
 
     if body.stream:
 

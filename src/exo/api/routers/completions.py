@@ -7,7 +7,6 @@ from fastapi import APIRouter, Request
 from exo.api.adapters.completions import CompletionEncoder, CompletionRequest, sse, to_task_params
 from exo.api.errors import ApiError
 from exo.api.generation import local_tokenizer, start_generation, stream_response
-from exo.shared.types.common import new_id
 from exo.shared.types.text_generation import ChunkGenerated
 
 router = APIRouter(prefix="/v1")
@@ -23,9 +22,9 @@ def prompt_text(request: Request, body: CompletionRequest) -> str:
 @router.post("/completions")
 async def create_completion(request: Request, body: CompletionRequest):
     text = prompt_text(request, body)
-    generation = await start_generation(request, to_task_params(body, text))
+    generation = await start_generation(request, to_task_params(body, text), bool(body.stream))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    encoder = CompletionEncoder(f"cmpl-{new_id()}", body.model, text if body.echo else "", include_usage)
+    encoder = CompletionEncoder(f"cmpl-{generation.command_id}", body.model, text if body.echo else "", include_usage)
 
     if body.stream:
 

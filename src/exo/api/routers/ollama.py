@@ -39,7 +39,7 @@ def _model_name(request: Request, model: str) -> str:
 async def _answer(
     request: Request, body: OllamaRequestBase, params: TextGenerationTaskParams, encoder: OllamaEncoder
 ) -> Any:
-    generation: Generation = await start_generation(request, params)
+    generation: Generation = await start_generation(request, params, body.stream)
     if body.stream:
 
         async def lines(chunks: AsyncIterator[ChunkGenerated]) -> AsyncIterator[str]:

@@ -14,7 +14,6 @@ from exo.api.adapters.chat_completions import (
 from exo.api.errors import ApiError
 from exo.api.generation import start_generation, stream_response
 from exo.api.routers.cluster import node_of
-from exo.shared.types.common import new_id
 from exo.shared.types.text_generation import ChunkGenerated
 
 router = APIRouter(prefix="/v1")
@@ -46,8 +45,9 @@ def list_models(request: Request) -> dict[str, Any]:
 
 @router.post("/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest):
-    generation = await start_generation(request, to_task_params(body))
-    completion_id = f"chatcmpl-{new_id()}"
+    generation = await start_generation(request, to_task_params(body), bool(body.stream))
+    # POST /v1/cancel/{id} takes this id.
+    completion_id = f"chatcmpl-{generation.command_id}"
 
     if body.stream:
         encoder = ChunkEncoder(

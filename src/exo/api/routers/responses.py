@@ -14,8 +14,8 @@ router = APIRouter(prefix="/v1")
 
 @router.post("/responses")
 async def create_response(request: Request, body: ResponsesRequest):
-    generation = await start_generation(request, to_task_params(body))
-    encoder = ResponseEncoder(body)
+    generation = await start_generation(request, to_task_params(body), bool(body.stream))
+    encoder = ResponseEncoder(body, f"resp_{generation.command_id}")
 
     if body.stream:
 
