@@ -20,11 +20,27 @@ def model_layers(model: nn.Module) -> list[nn.Module]:
     return list(model.model.layers)
 
 
+# Turn ends a family's config does not list as EOS. Gemma 3/4 checkpoints name only <eos>
+# (1); the turn end (106) and the tool-response marker (50) end generation too.
+FAMILY_EOS_IDS = {model_type: (1, 106, 50) for model_type in ("gemma3", "gemma3_text", "gemma4", "gemma4_text")}
+
+
+def add_family_eos_ids(tokenizer: TokenizerWrapper, model_type: str) -> None:
+    """Only ids the tokenizer itself treats as special: in a small test vocabulary the
+    same numbers are ordinary tokens."""
+    added = getattr(tokenizer._tokenizer, "added_tokens_decoder", {})
+    special = {token_id for token_id, token in added.items() if token.special}
+    extra = [i for i in FAMILY_EOS_IDS.get(model_type, ()) if i in special]
+    if extra:
+        tokenizer.eos_token_ids = set(tokenizer.eos_token_ids) | set(extra)
+
+
 def load_shard(
     model_dir: Path, shard: ShardMetadata, group: mx.distributed.Group | None, on_layer_loaded: LayerProgress
 ) -> tuple[nn.Module, TokenizerWrapper]:
     model, config = load_model(model_dir, lazy=True)
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    add_family_eos_ids(tokenizer, config["model_type"])
     # Shard while the weights are still lazy, so only this rank's part is ever read.
     shard_model(model, config["model_type"], shard, group)
     layers = model_layers(model)
