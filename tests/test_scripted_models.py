@@ -16,10 +16,14 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model, load_tokenizer
 
 from exo.devtools.scripted_models import (
+    AFTER_TOOL_RESULT_SCRIPTS,
     FAMILIES,
     FAMILY_SCRIPTS,
     GET_WEATHER_TOOL,
+    PLAIN_SCRIPT,
     SAMPLE_MESSAGES,
+    SAMPLE_TOOL_RESULT_MESSAGES,
+    ScriptedOutput,
     make_scripted_model,
     render_prompt,
 )
@@ -32,18 +36,19 @@ def _greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def _generate(model_dir: Path, family: str) -> tuple[str, list[str], list[int], str]:
+def _generate(
+    model_dir: Path, family: str, messages: list[dict] = SAMPLE_MESSAGES, limit: int = 40
+) -> tuple[str, list[str], list[int], str]:
     """The prompt, the decoded pieces as the engine's detokenizer streams them, the token
     ids (EOS included) and the decoded text."""
     model, config = load_model(model_dir)
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
-    prompt = render_prompt(tokenizer, family, SAMPLE_MESSAGES, [GET_WEATHER_TOOL])
+    prompt = render_prompt(tokenizer, family, messages, [GET_WEATHER_TOOL])
     prompt_ids = mx.array(tokenizer.encode(prompt, add_special_tokens=False))
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     tokens: list[int] = []
     segments: list[str] = []
-    limit = len(FAMILY_SCRIPTS[family].script) + 4
     for token, _ in generate_step(prompt_ids, model, max_tokens=limit, sampler=_greedy):
         tokens.append(int(token))
         if tokens[-1] in tokenizer.eos_token_ids:
@@ -86,6 +91,43 @@ def test_greedy_output_is_the_script_and_parses(tmp_path: Path, family: str) -> 
         assert parsed.reasoning == expected.reasoning
         assert parsed.text == expected.content
         assert [(call.name, json.loads(call.arguments)) for call in parsed.tool_calls] == list(expected.tool_calls)
+
+
+def _assert_writes(model_dir: Path, family: str, messages: list[dict], expected: ScriptedOutput) -> None:
+    prompt, segments, tokens, text = _generate(model_dir, family, messages)
+    assert len(tokens) == len(expected.script) + 1
+    assert text == expected.text
+    for pieces in (segments, list(expected.script)):
+        parsed = _parse(family, prompt, pieces)
+        assert parsed.error is None
+        assert parsed.reasoning == expected.reasoning
+        assert parsed.text == expected.content
+        assert [(call.name, json.loads(call.arguments)) for call in parsed.tool_calls] == list(expected.tool_calls)
+
+
+@pytest.mark.parametrize("family", sorted(AFTER_TOOL_RESULT_SCRIPTS))
+def test_a_tool_result_switches_to_the_second_script(tmp_path: Path, family: str) -> None:
+    first, second = FAMILY_SCRIPTS[family], AFTER_TOOL_RESULT_SCRIPTS[family]
+    model_dir = make_scripted_model(tmp_path / family, family, first.script, after_tool_result=second.script)
+
+    _assert_writes(model_dir, family, SAMPLE_MESSAGES, first)
+    _assert_writes(model_dir, family, SAMPLE_TOOL_RESULT_MESSAGES, second)
+
+
+def test_a_plain_script_is_content_alone(tmp_path: Path) -> None:
+    model_dir = make_scripted_model(tmp_path / "plain", "qwen3", PLAIN_SCRIPT.script)
+
+    _assert_writes(model_dir, "qwen3", SAMPLE_MESSAGES, PLAIN_SCRIPT)
+
+
+def test_a_piece_shared_by_both_scripts_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="must not repeat"):
+        make_scripted_model(tmp_path / "m", "qwen3", ["a", "b"], after_tool_result=["c", "a"])
+
+
+def test_a_second_script_needs_a_family_with_a_tool_result_prompt_end(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="after a tool result"):
+        make_scripted_model(tmp_path / "m", "gemma4", ["a"], after_tool_result=["b"])
 
 
 def test_a_repeated_piece_is_refused(tmp_path: Path) -> None:

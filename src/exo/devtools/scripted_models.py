@@ -22,7 +22,20 @@ split it differently the second time ("<|channel|>" once whole, later "<|chan" +
 
 Prompts are rendered for the family's default mode (thinking on where the family has a
 switch); a mode whose generation prompt ends in another token (GLM's or DeepSeek's chat
-mode, which end in "</think>") does not start the script."""
+mode, which end in "</think>") does not start the script.
+
+A second script, for tool round trips: since the last prompt token picks the script, a
+model can hold two scripts that start from two different tokens. A family with a
+`tool_result_prompt_end` token (Qwen3) has a test template that appends that control
+token to the generation prompt when the conversation's last message is a tool result, so
+
+    ...<|im_start|>assistant\n                      -> the first script (e.g. a tool call)
+    ...</tool_response><|im_end|>\n<|im_start|>assistant\n<|after_tool|>
+                                                    -> the `after_tool_result` script
+
+No piece may appear in both scripts (a token has one successor). FAMILY_SCRIPTS[family]
+and AFTER_TOOL_RESULT_SCRIPTS[family] make a full round trip: thinking and a get_weather
+call for Paris, then, given the tool's result, thinking and the final answer."""
 
 import copy
 import json
@@ -62,6 +75,18 @@ GET_WEATHER_TOOL: dict[str, Any] = {
     },
 }
 SAMPLE_MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
+# SAMPLE_MESSAGES answered by a get_weather call and its result.
+SAMPLE_TOOL_RESULT_MESSAGES: list[dict[str, Any]] = [
+    *SAMPLE_MESSAGES,
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_0", "content": '{"weather": "sunny"}'},
+]
 
 
 # Chat templates: the families' real ones cut down to what exo passes them (system, user,
@@ -98,7 +123,9 @@ QWEN3_TEMPLATE = r"""
 {%- endfor -%}
 {%- if add_generation_prompt -%}
 {{- '<|im_start|>assistant\n' -}}
-{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}
+{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}
+{%- elif messages[-1].role == 'tool' -%}{{- '<|after_tool|>' -}}
+{%- endif -%}
 {%- endif -%}
 """
 
@@ -290,6 +317,9 @@ class Family:
     control_tokens: tuple[str, ...]
     # Added tokens an answer may contain: think and tool-call markers.
     marker_tokens: tuple[str, ...] = ()
+    # A control token the test template ends the generation prompt with when the last
+    # message is a tool result (one of control_tokens), where a second script starts.
+    tool_result_prompt_end: str | None = None
 
 
 _DEEPSEEK_CONTROL = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
@@ -302,8 +332,9 @@ FAMILIES: dict[str, Family] = {
         bos=None,
         eos="<|im_end|>",
         stop_tokens=("<|im_end|>", "<|endoftext|>"),
-        control_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        control_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|after_tool|>"),
         marker_tokens=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+        tool_result_prompt_end="<|after_tool|>",
     ),
     "glm4_moe": Family(
         config=TINY_CONFIGS["glm4_moe"],
@@ -603,6 +634,21 @@ FAMILY_SCRIPTS: dict[str, ScriptedOutput] = {
 }
 
 
+# For families with a tool_result_prompt_end: the answer once get_weather's result is in.
+# No piece repeats one of FAMILY_SCRIPTS[family]'s, so one model can hold both scripts.
+AFTER_TOOL_RESULT_SCRIPTS: dict[str, ScriptedOutput] = {
+    "qwen3": ScriptedOutput(
+        script=("<thi", "nk>The tool", " says it is sunny.", "</think>", "It is sunny", " in Paris."),
+        reasoning="The tool says it is sunny.",
+        content="It is sunny in Paris.",
+    ),
+}
+
+# Text alone, for families whose generation prompt does not open a thinking block
+# (Qwen3, Kimi K2, Gemma 4): no reasoning, no tool call.
+PLAIN_SCRIPT = ScriptedOutput(script=("Hello", " from", " exo."), reasoning="", content="Hello from exo.")
+
+
 def render_prompt(
     tokenizer: TokenizerWrapper,
     family: str,
@@ -624,43 +670,60 @@ def render_prompt(
 
 
 def make_scripted_model(
-    path: Path, family: str, script: list[str] | tuple[str, ...], seed: int = 0, dtype: mx.Dtype = mx.float32
+    path: Path,
+    family: str,
+    script: list[str] | tuple[str, ...],
+    seed: int = 0,
+    dtype: mx.Dtype = mx.float32,
+    after_tool_result: list[str] | tuple[str, ...] | None = None,
 ) -> Path:
     """Writes at `path` a model of `family` (a FAMILIES key) that, given any prompt the
     family's template renders with its generation prompt, writes the pieces of `script`
-    one token each and then its EOS token under greedy decoding. Returns `path`.
+    one token each and then its EOS token under greedy decoding. With `after_tool_result`
+    (families with a tool_result_prompt_end only), a prompt whose last message is a tool
+    result gets that script instead. Returns `path`.
 
     float32 by default: MLX on CPU runs the MoE families' expert matmuls in float32 only."""
     path = Path(path)
     spec = FAMILIES[family]
-    _check_script(spec, list(script))
-    piece_ids = _write_tokenizer(path, spec, list(script))
+    scripts = [list(script), *([list(after_tool_result)] if after_tool_result is not None else [])]
+    if after_tool_result is not None and spec.tool_result_prompt_end is None:
+        raise ValueError(f"{family}'s template has no prompt end of its own after a tool result")
+    _check_script(spec, scripts)
+    piece_ids = _write_tokenizer(path, spec, [piece for pieces in scripts for piece in pieces])
     tokenizer = load_tokenizer(path)
-    start = _prompt_end_token(tokenizer, family)
-    if start in piece_ids:
-        raise ValueError(f"the prompt's last token {tokenizer.decode([start])!r} is also a script piece")
+    starts = [_prompt_end_token(tokenizer, family)]
+    if after_tool_result is not None:
+        starts.append(_tool_result_prompt_end_token(tokenizer, family))
+    for start in starts:
+        if start in piece_ids:
+            raise ValueError(f"the prompt's last token {tokenizer.decode([start])!r} is also a script piece")
     eos = tokenizer.convert_tokens_to_ids(spec.eos)
-    chain = [start, *piece_ids, eos]
-    _write_model(path, spec, chain, len(tokenizer.vocab), tokenizer, seed, dtype)
+    chains, offset = [], 0
+    for start, pieces in zip(starts, scripts, strict=True):
+        chains.append([start, *piece_ids[offset : offset + len(pieces)], eos])
+        offset += len(pieces)
+    _write_model(path, spec, chains, len(tokenizer.vocab), tokenizer, seed, dtype)
     return path
 
 
-def _check_script(spec: Family, script: list[str]) -> None:
-    if not script:
+def _check_script(spec: Family, scripts: list[list[str]]) -> None:
+    if any(not script for script in scripts):
         raise ValueError("a script needs at least one piece")
-    if any(not piece for piece in script):
+    pieces = [piece for script in scripts for piece in script]
+    if any(not piece for piece in pieces):
         raise ValueError("script pieces must not be empty")
-    repeated = sorted({piece for piece in script if script.count(piece) > 1})
+    repeated = sorted({piece for piece in pieces if pieces.count(piece) > 1})
     if repeated:
         raise ValueError(
             f"script pieces must not repeat (each token has one successor): {repeated}; split repeated text differently"
         )
-    reserved = [piece for piece in script if piece in spec.control_tokens or piece in spec.stop_tokens]
+    reserved = [piece for piece in pieces if piece in spec.control_tokens or piece in spec.stop_tokens]
     if reserved:
         raise ValueError(f"control and end-of-generation tokens cannot be script pieces: {reserved}")
     hidden = _text_config(spec.config)["hidden_size"]
-    if len(script) + 1 > hidden:
-        raise ValueError(f"a script of {len(script)} pieces needs more than the model's {hidden} dimensions")
+    if len(pieces) + len(scripts) > hidden:
+        raise ValueError(f"scripts of {len(pieces)} pieces need more than the model's {hidden} dimensions")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -734,6 +797,19 @@ def _prompt_end_token(tokenizer: TokenizerWrapper, family: str) -> int:
     return ends.pop()
 
 
+def _tool_result_prompt_end_token(tokenizer: TokenizerWrapper, family: str) -> int:
+    """The token the generation prompt ends with after a tool result: the family's
+    tool_result_prompt_end, checked against what its template renders."""
+    spec = FAMILIES[family]
+    assert spec.tool_result_prompt_end is not None
+    end = tokenizer.encode(
+        render_prompt(tokenizer, family, SAMPLE_TOOL_RESULT_MESSAGES, [GET_WEATHER_TOOL]), add_special_tokens=False
+    )[-1]
+    if end != tokenizer.convert_tokens_to_ids(spec.tool_result_prompt_end):
+        raise ValueError(f"{family}'s template does not end the prompt after a tool result in its own token")
+    return end
+
+
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
@@ -741,7 +817,7 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
 def _write_model(
     path: Path,
     spec: Family,
-    chain: list[int],
+    chains: list[list[int]],
     vocab_size: int,
     tokenizer: TokenizerWrapper,
     seed: int,
@@ -772,14 +848,16 @@ def _write_model(
     [head_name] = [name for name in weights if name.endswith("lm_head.weight")]
     embedding = np.array(weights[embed_name].astype(mx.float32))
     head = np.zeros(weights[head_name].shape, dtype=np.float32)
-    for direction, (token, successor) in enumerate(zip(chain, chain[1:], strict=False)):
+    edges = [edge for chain in chains for edge in zip(chain, chain[1:], strict=False)]
+    for direction, (token, successor) in enumerate(edges):
         embedding[token] = 0.0
         embedding[token, direction] = 1.0
         head[successor, direction] = LOGIT_SCALE
     weights[embed_name] = mx.array(embedding).astype(dtype)
     weights[head_name] = mx.array(head).astype(dtype)
     model.update(tree_unflatten(list(weights.items())))
-    _check_successors(model, chain)
+    for chain in chains:
+        _check_successors(model, chain)
 
     mx.save_safetensors(
         str(path / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
