@@ -64,5 +64,17 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
 
     chunks = await generation.collect()
     if chunks[-1].finish_reason == "error":
-        raise ApiError(500, chunks[-1].error_message or "generation failed", code="generation_failed")
+        raise generation_error(chunks[-1])
     return completion_body(completion_id, body.model, chunks)
+
+
+def generation_error(chunk: ChunkGenerated) -> ApiError:
+    """The error for a generation that ended in one. A generation that ran to its end but
+    whose output could not be parsed (a tool call left open or malformed) comes from the
+    engine with its usage, and is a 422: the request was valid and the node is healthy,
+    yet the model's answer cannot be given in the shape the request asked for (and SDKs,
+    which retry 5xx, do not rerun it). A failed runner or a lost task has no usage: 500."""
+    message = chunk.error_message or "generation failed"
+    if chunk.usage is not None:
+        return ApiError(422, f"the model's output could not be parsed: {message}", code="invalid_model_output")
+    return ApiError(500, message, code="generation_failed")
