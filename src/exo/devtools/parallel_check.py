@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from exo.engine.mlx.engine import prefill_chunk
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.parallel import connect_group
 from exo.master.placement import split_layers
@@ -55,7 +56,11 @@ def run_rank(model_dir: Path, instance: Instance, rank: int, prompt: list[int], 
     group = connect_group(instance, shard)
     model, _ = load_shard(model_dir, shard, group, lambda done, total: None)
     cache = make_prompt_cache(model)
-    logits = model(mx.array(prompt)[None], cache=cache)[0, -1]
+    # The prompt goes in as the engine sends it: all but the last token by the engine's
+    # prefill (overlapped micro-chunks across pipeline ranks), then the last one.
+    pipeline_ranks = shard.world_size if isinstance(shard, PipelineShardMetadata) else 1
+    prefill_chunk(model, prompt[:-1], cache, pipeline_ranks)
+    logits = model(mx.array(prompt[-1:])[None], cache=cache)[0, -1]
     all_logits, tokens = [logits], []
     for _ in range(decode_steps):
         token = int(mx.argmax(all_logits[-1]).item())

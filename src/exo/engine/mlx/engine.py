@@ -21,7 +21,7 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 from exo.engine.base import LayerProgress
 from exo.engine.mlx.chat_template import encode_prompt
 from exo.engine.mlx.loading import load_shard
-from exo.engine.mlx.parallel import broadcast_bytes, connect_group, inner_model
+from exo.engine.mlx.parallel import broadcast_bytes, connect_group, inner_model, set_pipeline_sharing
 from exo.engine.mlx.prefix_cache import PrefixCache
 from exo.engine.parsing.base import Parsed, StreamParser
 from exo.engine.parsing.output import make_output_parser, think_markers_for, tool_format_for
@@ -29,7 +29,7 @@ from exo.engine.parsing.reasoning import prompt_opens_reasoning
 from exo.engine.stop_sequences import StopSequenceFilter
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.instances import Instance
-from exo.shared.types.shards import ShardMetadata
+from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
 from exo.shared.types.text_generation import (
     ChatMessage,
     ChunkGenerated,
@@ -47,14 +47,27 @@ DEFAULT_MAX_TOKENS = 1024
 PREFILL_STEP = int(os.environ.get("EXO_PREFILL_STEP", "512"))
 
 
-def prefill_chunk(model: nn.Module, tokens: list[int], cache: list[Any]) -> None:
+def prefill_chunk(model: nn.Module, tokens: list[int], cache: list[Any], pipeline_ranks: int = 1) -> None:
     """Run one chunk of the prompt through the model, filling the cache. We evaluate the
     hidden states, not just the caches as mlx-lm's own prefill does: on a pipeline rank
     the send to the next rank is not an input of any cache, so evaluating only caches
-    would never send, and the ring would wait forever."""
+    would never send, and the ring would wait forever.
+
+    Split by pipeline, the chunk goes through in a few micro-chunks without sharing the
+    output: while rank 1 works on one, rank 0 is already on the next."""
+    inner = inner_model(model)
+    pieces = 1 if pipeline_ranks == 1 else 2 * pipeline_ranks
+    size = max(1, -(-len(tokens) // pieces))
     with mx.stream(generation_stream):
-        hidden = inner_model(model)(mx.array(tokens)[None], cache=cache)
-        mx.eval(hidden, [c.state for c in cache])
+        if pipeline_ranks > 1:
+            set_pipeline_sharing(model, False)
+        try:
+            for start in range(0, len(tokens), size):
+                hidden = inner(mx.array(tokens[start : start + size])[None], cache=cache)
+                mx.eval(hidden, [c.state for c in cache])
+        finally:
+            if pipeline_ranks > 1:
+                set_pipeline_sharing(model, True)
 
 
 @dataclass
@@ -102,6 +115,7 @@ class MlxEngine:
         self.reasoning_dialect = "none"
         self.tool_format: str | None = None
         self.prefix_cache: PrefixCache | None = None
+        self.pipeline_ranks = 1
         self._requests: dict[str, _Request] = {}
         self._pending_ops: list[dict[str, Any]] = []
         self.shutdown_requested = False
@@ -118,6 +132,7 @@ class MlxEngine:
         self.model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
         self.tool_format = tool_format_for(self.model_type, self.tokenizer.chat_template)
         self.prefix_cache = PrefixCache(self.model, self.model_type)
+        self.pipeline_ranks = shard.world_size if isinstance(shard, PipelineShardMetadata) else 1
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
         self.reasoning_dialect = shard.model_card.reasoning_dialect.value
 
@@ -247,7 +262,7 @@ class MlxEngine:
         to_prefill = len(request.prompt) - 1
         if request.prefilled < to_prefill:
             end = min(request.prefilled + PREFILL_STEP, to_prefill)
-            prefill_chunk(self.model, request.prompt[request.prefilled : end], request.cache)
+            prefill_chunk(self.model, request.prompt[request.prefilled : end], request.cache, self.pipeline_ranks)
             request.prefilled = end
             assert self.prefix_cache is not None
             self.prefix_cache.remember_boundary(request.prompt[:end], request.cache)

@@ -64,6 +64,12 @@ class ReceiveFromPrevious(_LayerWrapper):
 
 
 class SendToNextAndShare(_LayerWrapper):
+    def __init__(self, layer: nn.Module, group: mx.distributed.Group) -> None:
+        super().__init__(layer, group)
+        # Off while prefilling: no rank needs the prompt's output, and without the
+        # all-gather rank 0 goes on to the next chunk while rank 1 works on this one.
+        self.share = True
+
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> Any:
         out = self.layer(x, *args, **kwargs)
         # Some blocks (Gemma 4) return (hidden, keys/values, offset); only hidden travels.
@@ -71,10 +77,17 @@ class SendToNextAndShare(_LayerWrapper):
         rank, size = self.group.rank(), self.group.size()
         if rank < size - 1:
             hidden = mx.distributed.send(hidden, rank + 1, group=self.group)
-        # Every rank contributes its output; the last rank's is the model's.
-        gathered = mx.distributed.all_gather(hidden, group=self.group)
-        hidden = gathered[-hidden.shape[0] :]
+        if self.share:
+            # Every rank contributes its output; the last rank's is the model's.
+            gathered = mx.distributed.all_gather(hidden, group=self.group)
+            hidden = gathered[-hidden.shape[0] :]
         return hidden if rest is None else (hidden, *rest)
+
+
+def set_pipeline_sharing(model: nn.Module, share: bool) -> None:
+    for layer in inner_model(model).layers:
+        if isinstance(layer, SendToNextAndShare):
+            layer.share = share
 
 
 def inner_model(model: nn.Module) -> nn.Module:
