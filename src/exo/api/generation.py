@@ -163,6 +163,7 @@ class Generation:
         self.early: list[ChunkGenerated] = []
         # The instance placed for this request, to wait for before sending the command.
         self.placing: InstanceId | None = None
+        self._sent = False
         self._finished = False
 
     async def start(self) -> AsyncIterator[str]:
@@ -173,7 +174,9 @@ class Generation:
             async for comment in self._wait_for_instance(self.placing):
                 yield comment
             self.placing = None
-        if not self.early:
+        # A stream calls this again once its response starts: send the command only once.
+        if not self._sent and not self.early:
+            self._sent = True
             self.node.send_command(self.command)
             self.early = await wait_until_accepted(self.node, self.command_id, self.queue)
 
