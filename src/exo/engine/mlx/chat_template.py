@@ -1,5 +1,6 @@
 """Turning chat messages into prompt tokens with the model's own chat template."""
 
+import json
 from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -15,12 +16,29 @@ def template_message(message: ChatMessage, dialect: str = "none") -> dict[str, A
     rendered: dict[str, Any] = {"role": role, "content": message_text(message)}
     rendered.update(template_fields(message, dialect))
     if message.tool_calls:
-        rendered["tool_calls"] = message.tool_calls
+        rendered["tool_calls"] = [template_tool_call(call) for call in message.tool_calls]
     if message.tool_call_id:
         rendered["tool_call_id"] = message.tool_call_id
     if message.name:
         rendered["name"] = message.name
     return rendered
+
+
+def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """The call with its arguments as an object. OpenAI clients send them as JSON text, but
+    templates that write each argument in their own markup (GLM's arg_key/arg_value,
+    MiniMax's parameter elements, Gemma 4's call:name{key:value}) iterate over a mapping,
+    and templates that want text write the mapping with tojson."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def message_text(message: ChatMessage) -> str:
