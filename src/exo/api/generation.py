@@ -120,14 +120,39 @@ def prompt_token_count(tokenizer: "Tokenizer", params: TextGenerationTaskParams)
     return len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-async def check_prompt_length(request: Request, params: TextGenerationTaskParams) -> None:
-    """A 400 for a prompt longer than the model's context, where its tokenizer is local."""
+# MLX seeds its generator with an unsigned 64-bit integer.
+MAX_SEED = 2**64 - 1
+
+
+def check_token_ids(ids: list[int], tokenizer: "Tokenizer | None") -> None:
+    """A 400 for token ids no vocabulary has (or, with the tokenizer at hand, this one)."""
+    vocab_size = tokenizer.get_vocab_size() if tokenizer is not None else None
+    bad = [i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
+    if bad:
+        limit = f" (the vocabulary has {vocab_size})" if vocab_size is not None else ""
+        raise ApiError(
+            400, f"prompt has token ids out of range{limit}: {bad[:5]}", code="invalid_prompt", param="prompt"
+        )
+
+
+async def checked_params(request: Request, params: TextGenerationTaskParams) -> TextGenerationTaskParams:
+    """Checks no adapter can make alone, and the ones where the model's tokenizer is local:
+    a 400 for a prompt longer than the model's context, and no top_k at or over the
+    vocabulary size (it keeps every token anyway, and the sampler refuses it)."""
+    if params.prompt is None and not params.messages:
+        raise ApiError(400, "the request has no messages to answer", code="invalid_request", param="messages")
+    if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
+        raise ApiError(400, f"seed must be between 0 and {MAX_SEED}", code="invalid_request", param="seed")
+    tokenizer = local_tokenizer(request, params.model)
+    if isinstance(params.prompt, list):
+        check_token_ids(params.prompt, tokenizer)
+    if tokenizer is None:
+        return params
+    if params.top_k is not None and params.top_k >= tokenizer.get_vocab_size():
+        params = params.model_copy(update={"top_k": None})
     card = node_of(request).cards().get(params.model)
     if card is None or not card.context_length:
-        return
-    tokenizer = local_tokenizer(request, params.model)
-    if tokenizer is None:
-        return
+        return params
     tokens = await asyncio.to_thread(prompt_token_count, tokenizer, params)
     if tokens > card.context_length:
         raise ApiError(
@@ -136,6 +161,7 @@ async def check_prompt_length(request: Request, params: TextGenerationTaskParams
             code="context_length_exceeded",
             param="messages",
         )
+    return params
 
 
 def loading_comment(state: State, instance_id: InstanceId) -> str:
@@ -241,7 +267,7 @@ class Generation:
 async def start_generation(request: Request, params: TextGenerationTaskParams, stream: bool = False) -> Generation:
     """A Generation whose command the master accepted; for a stream that waits for an
     instance being placed, the wait happens in stream_response (with keep-alives)."""
-    await check_prompt_length(request, params)
+    params = await checked_params(request, params)
     placing = require_instance(request, params.model)
     generation = Generation(node_of(request), request.app.state.chunk_streams, params)
     generation.placing = placing

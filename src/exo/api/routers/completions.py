@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 
 from exo.api.adapters.completions import CompletionEncoder, CompletionRequest, sse, to_task_params
 from exo.api.errors import ApiError
-from exo.api.generation import local_tokenizer, start_generation, stream_response
+from exo.api.generation import check_token_ids, local_tokenizer, start_generation, stream_response
 from exo.shared.types.text_generation import ChunkGenerated
 
 router = APIRouter(prefix="/v1")
@@ -16,6 +16,7 @@ def prompt_text(request: Request, body: CompletionRequest) -> str:
     if isinstance(body.prompt, str):
         return body.prompt
     tokenizer = local_tokenizer(request, body.model)
+    check_token_ids(body.prompt, tokenizer)
     return tokenizer.decode(body.prompt) if tokenizer is not None else ""
 
 
