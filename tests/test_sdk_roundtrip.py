@@ -98,13 +98,11 @@ class OpenAIChat:
                 reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
                 content += choice.delta.content or ""
                 for call in choice.delta.tool_calls or []:
-                    id_, name, arguments = calls.setdefault(call.index, ["", "", ""])
-                    function = call.function
-                    calls[call.index] = [
-                        id_ + (call.id or ""),
-                        name + (function.name or "" if function else ""),
-                        arguments + (function.arguments or "" if function else ""),
-                    ]
+                    # A call's id and name come in its first delta, its arguments in pieces.
+                    parts = calls.setdefault(call.index, ["", "", ""])
+                    parts[0] += call.id or ""
+                    parts[1] += (call.function and call.function.name) or ""
+                    parts[2] += (call.function and call.function.arguments) or ""
                 stop = choice.finish_reason or stop
         return self._turn(reasoning, content, [tuple(calls[i]) for i in sorted(calls)], stop, usage)
 
