@@ -91,8 +91,13 @@ def set_pipeline_sharing(model: nn.Module, share: bool) -> None:
 
 
 def inner_model(model: nn.Module) -> nn.Module:
-    """The module that owns `.layers` (mlx-lm models keep it at `model.model`)."""
-    for candidate in (getattr(model, "model", None), getattr(getattr(model, "language_model", None), "model", None)):
+    """The module that owns `.layers` (mlx-lm models mostly keep it at `model.model`)."""
+    candidates = (
+        getattr(model, "model", None),
+        getattr(model, "backbone", None),  # NemotronH
+        getattr(getattr(model, "language_model", None), "model", None),
+    )
+    for candidate in candidates:
         if candidate is not None and hasattr(candidate, "layers"):
             return candidate
     raise ValueError(f"cannot find the transformer layers of {type(model).__name__}")
