@@ -633,3 +633,21 @@ def test_no_instance_when_none_serves_the_model(small_card: ModelCard):
     state = load_state(small_card, {"loading": RunnerLoading()}, [])
     assert least_loaded_instance(state, ModelId(small_card.model_id)) is None
     assert least_loaded_instance(state, ModelId("other/model")) is None
+
+
+def test_a_later_placement_does_not_reuse_the_ports_of_one_just_deleted():
+    card = make_card(weights_gib=30)
+    state = cluster(a=20, b=20).model_copy(
+        update={
+            "topology": Topology(
+                connections=[
+                    Connection(source=NodeId("a"), sink=NodeId("b"), sink_ip="192.168.1.2"),
+                    Connection(source=NodeId("b"), sink=NodeId("a"), sink_ip="192.168.1.1"),
+                ]
+            )
+        }
+    )
+    first = place_instance(state, card).hosts
+    # Same cluster a few events later (the first instance came and went).
+    later = place_instance(state.model_copy(update={"last_event_applied_idx": 12}), card).hosts
+    assert set(first).isdisjoint(later)

@@ -45,6 +45,7 @@ DEFAULT_CONTEXT_LENGTH = 4096
 # ones with the most free memory are considered.
 MAX_PLACEMENT_NODES = 8
 RING_BASE_PORT = 52600
+RING_PORT_SPAN = 1000
 # How many rejection reasons a PlacementError quotes.
 MAX_REASONS_IN_ERROR = 8
 
@@ -356,7 +357,10 @@ def _ring_hosts(state: State, links: Links, ring: list[NodeId]) -> list[str]:
     collide."""
     if len(ring) == 1:
         return []
-    ports = _free_ports(_used_ports(state.instances.values()), len(ring))
+    # Start where the event log stands, so an instance placed right after another was
+    # deleted does not reuse its ports while the old ranks may still hold them.
+    first = (max(state.last_event_applied_idx, 0) * 7) % RING_PORT_SPAN
+    ports = _free_ports(_used_ports(state.instances.values()), len(ring), first)
     hosts = []
     for rank, port in enumerate(ports):
         ip = links[(ring[rank - 1], ring[rank])].sink_ip
@@ -374,13 +378,14 @@ def _used_ports(instances: Iterable[Instance]) -> set[int]:
     return used
 
 
-def _free_ports(used: set[int], count: int) -> list[int]:
+def _free_ports(used: set[int], count: int, first: int = 0) -> list[int]:
     ports: list[int] = []
-    port = RING_BASE_PORT
+    offset = first
     while len(ports) < count:
+        port = RING_BASE_PORT + offset % RING_PORT_SPAN
         if port not in used:
             ports.append(port)
-        port += 1
+        offset += 1
     return ports
 
 
