@@ -86,25 +86,9 @@ def test_other_dialects_hand_the_template_reasoning_content():
     assert template_fields(CHAT[1], "channel") == {}
 
 
-def test_suffix_folds_reasoning_back_into_the_content():
-    out = apply_reasoning_dialect(CHAT, "suffix", tools_in_play=False)
-    assert out[OLD].content == "<think>Add them.</think>4"
-    assert out[RECENT].content == "<think>Add again.</think>6"
-    assert all(m.reasoning_content is None for m in out)
-    assert out[1] == CHAT[1]
-
-
-def test_suffix_uses_the_models_own_markers_and_handles_missing_content():
-    chat = [user("go"), assistant(None, "plan", tool_calls=[CALL])]
-    out = apply_reasoning_dialect(chat, "suffix", tools_in_play=True, think_start="◁think▷", think_end="◁/think▷")
-    assert out[1].content == "◁think▷plan◁/think▷"
-    assert out[1].tool_calls == [CALL]
-
-
-def test_suffix_puts_the_thought_first_in_a_multimodal_message():
-    parts = [{"type": "text", "text": "A cat."}]
-    out = apply_reasoning_dialect([user("what?"), assistant(parts, "Whiskers.")], "suffix", tools_in_play=False)
-    assert out[1].content == [{"type": "text", "text": "<think>Whiskers.</think>"}, *parts]
+def test_suffix_leaves_content_and_reasoning_as_they_came():
+    assert apply_reasoning_dialect(CHAT, "suffix", tools_in_play=False) == CHAT
+    assert apply_reasoning_dialect(TOOL_CHAT, "suffix", tools_in_play=True) == TOOL_CHAT
 
 
 @pytest.mark.parametrize("tools_in_play", [False, True])

@@ -12,19 +12,17 @@ def apply_reasoning_dialect(
     messages: list[ChatMessage],
     dialect: str,
     tools_in_play: bool,
-    think_start: str = "<think>",
-    think_end: str = "</think>",
 ) -> list[ChatMessage]:
-    """The conversation with each assistant message's `reasoning_content` kept, dropped,
-    or (suffix) folded back into its content. `tools_in_play` says the request offers
-    tools; tool calls or results in the conversation count too."""
+    """The conversation with each assistant message's `reasoning_content` kept or
+    dropped. `tools_in_play` says the request offers tools; tool calls or results in the
+    conversation count too. Suffix models (Kimi) carry their reasoning in the content the
+    client sends back, and their template places any reasoning field itself, so both
+    stay as they came; folding the field into the content as well would repeat it."""
     match ReasoningDialect(dialect):
-        case ReasoningDialect.channel:
+        case ReasoningDialect.channel | ReasoningDialect.suffix:
             return list(messages)
         case ReasoningDialect.none:
             return [_without_reasoning(m) for m in messages]
-        case ReasoningDialect.suffix:
-            return [_reasoning_in_content(m, think_start, think_end) for m in messages]
         case ReasoningDialect.tool_conditional if tools_in_play or _has_tool_traffic(messages):
             return list(messages)
         case ReasoningDialect.post_last_user | ReasoningDialect.tool_conditional:
@@ -49,16 +47,3 @@ def _without_reasoning(message: ChatMessage) -> ChatMessage:
     if message.role != "assistant" or message.reasoning_content is None:
         return message
     return message.model_copy(update={"reasoning_content": None})
-
-
-def _reasoning_in_content(message: ChatMessage, think_start: str, think_end: str) -> ChatMessage:
-    if message.role != "assistant" or not message.reasoning_content:
-        return _without_reasoning(message)
-    thought = f"{think_start}{message.reasoning_content}{think_end}"
-    content = message.content
-    if isinstance(content, list):
-        # Multimodal: the thought goes first, as its own text part.
-        new_content: str | list[dict[str, Any]] = [{"type": "text", "text": thought}, *content]
-    else:
-        new_content = thought + (content or "")
-    return message.model_copy(update={"content": new_content, "reasoning_content": None})

@@ -6,7 +6,6 @@ from typing import Any
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from exo.engine.encoding import deepseek_v4, deepseek_v32
-from exo.engine.parsing.output import think_markers_for
 from exo.engine.reasoning_dialect import apply_reasoning_dialect, template_fields
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 
@@ -55,8 +54,7 @@ def render_prompt(
     """The prompt text for a chat request. The card's reasoning dialect decides which
     earlier reasoning goes back to the model, and how. DeepSeek V3.2 and V4 ship no Jinja
     template; their prompts come from exo's encoders of the published format."""
-    think_start, think_end = think_markers_for(model_type) or ("<think>", "</think>")
-    chat = apply_reasoning_dialect(params.messages, dialect, bool(params.tools), think_start, think_end)
+    chat = apply_reasoning_dialect(params.messages, dialect, bool(params.tools))
     thinking = params.enable_thinking is not False
     if model_type == "deepseek_v4":
         return deepseek_v4.encode_messages(chat, params.tools, thinking, params.reasoning_effort)
