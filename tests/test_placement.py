@@ -344,6 +344,18 @@ def test_deepseek_v4_is_exempt_from_the_kv_head_rule():
     assert {(s.start_layer, s.end_layer) for s in shards_by_rank(instance)} == {(0, card.n_layers)}
 
 
+def test_a_local_deepseek_v4_dir_is_exempt_too(tmp_path):
+    from exo.devtools.tiny_models import make_tiny
+    from exo.shared.models.model_cards import card_from_model_dir
+
+    card = card_from_model_dir(make_tiny(tmp_path / "acme--v4", "deepseek_v4"), "acme/v4")
+    assert card.num_key_value_heads == 1 and card.supports_tensor
+
+    instance = place_instance(fully_linked(a=100, b=100), card, Sharding.Tensor, min_nodes=2)
+
+    assert instance.world_size == 2
+
+
 def test_tensor_over_two_nodes_gives_every_rank_every_layer():
     instance = place_instance(fully_linked(a=64, b=64), tensor_card(4096, 8), Sharding.Tensor, min_nodes=2)
     shards = instance.shard_assignments.runner_to_shard.values()

@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.utils import _get_classes
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import exo.engine.mlx.models  # noqa: F401  (exo's own architectures, DeepSeek V4, join mlx-lm's)
 from exo.devtools.tiny_configs import TINY_CONFIGS
 
 CHAT_TEMPLATE = (

@@ -296,7 +296,8 @@ def _structure_reason(card: ModelCard, sharding: Sharding, n: int) -> str | None
         return f"tensor parallel over {n} nodes needs hidden_size ({card.hidden_size}) divisible by {n}"
     # DeepSeek V4 is MQA (one KV head), but its strategy splits the query and output
     # projections by head and shards the MoE experts instead of splitting KV heads.
-    is_deepseek_v4 = card.base_model.startswith("DeepSeek V4")
+    # Built-in cards name it by base model; a local model dir's card by its model_type.
+    is_deepseek_v4 = card.base_model.startswith("DeepSeek V4") or card.family == "deepseek_v4"
     kv_heads = card.num_key_value_heads
     if not is_deepseek_v4 and kv_heads is not None and kv_heads % n:
         return f"tensor parallel over {n} nodes needs num_key_value_heads ({kv_heads}) divisible by {n}"
