@@ -15,11 +15,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step, generation_stream
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 
 from exo.engine.base import LayerProgress
 from exo.engine.mlx.chat_template import encode_prompt
+from exo.engine.mlx.constrained import GrammarProcessor, grammar_for, grammar_tokenizer
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.parallel import broadcast_bytes, connect_group, inner_model, set_pipeline_sharing
 from exo.engine.mlx.prefix_cache import PrefixCache
@@ -70,6 +71,13 @@ def prefill_chunk(model: nn.Module, tokens: list[int], cache: list[Any], pipelin
                 set_pipeline_sharing(model, True)
 
 
+def _without_prompt_token(processor: Any) -> Any:
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        return processor(tokens[1:], logits) if len(tokens) > 1 else logits
+
+    return process
+
+
 @dataclass
 class _Request:
     """One request: first its prompt is prefilled a chunk per step (so progress is
@@ -86,6 +94,8 @@ class _Request:
     max_tokens: int
     submitted_at: float
     want_logprobs: int | None = None  # None: none; else how many alternatives
+    # logit_bias, penalties and a response_format grammar, applied in that order.
+    logits_processors: list[Any] = field(default_factory=list)
     prefilled: int = 0
     cached_tokens: int = 0
     output: list[int] = field(default_factory=list)
@@ -118,6 +128,7 @@ class MlxEngine:
         self.pipeline_ranks = 1
         self._requests: dict[str, _Request] = {}
         self._pending_ops: list[dict[str, Any]] = []
+        self._grammar_tokenizer: Any = None
         self.shutdown_requested = False
 
     @property
@@ -204,6 +215,7 @@ class MlxEngine:
         assert self.prefix_cache is not None
         # All but the last prompt token are prefilled; the last starts generate_step.
         cache, cached = self.prefix_cache.fetch(prompt[:-1])
+        max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
         self._requests[request_id] = _Request(
             request_id=request_id,
             prompt=prompt,
@@ -212,9 +224,10 @@ class MlxEngine:
             detokenizer=self.tokenizer.detokenizer,
             stop_filter=StopSequenceFilter(params.stop),
             parser=self._output_parser(params, prompt_text),
-            max_tokens=params.max_tokens or DEFAULT_MAX_TOKENS,
+            max_tokens=max_tokens,
             submitted_at=time.perf_counter(),
             want_logprobs=(params.top_logprobs or 0) if params.logprobs else None,
+            logits_processors=self._logits_processors(params, max_tokens),
             prefilled=cached,
             cached_tokens=cached,
         )
@@ -230,6 +243,33 @@ class MlxEngine:
         if self.tool_format == "harmony":
             tool_format = "harmony"
         return make_output_parser(tool_format, start, end, opened, params.tools)
+
+    def _logits_processors(self, params: TextGenerationTaskParams, max_tokens: int) -> list[Any]:
+        assert self.tokenizer is not None
+        # mlx-lm penalizes whatever it was fed, which starts with the last prompt token;
+        # dropping that one makes the penalties count generated tokens only, as OpenAI's do.
+        penalties = [
+            _without_prompt_token(processor)
+            for processor in make_logits_processors(
+                repetition_penalty=params.repetition_penalty,
+                repetition_context_size=max_tokens,
+                presence_penalty=params.presence_penalty,
+                presence_context_size=max_tokens,
+                frequency_penalty=params.frequency_penalty,
+                frequency_context_size=max_tokens,
+            )
+        ]
+        # Out-of-range ids are dropped rather than refused: only the engine knows the
+        # vocabulary, and MLX does not bounds-check the scatter that adds the bias.
+        vocab = len(self.tokenizer._tokenizer)
+        bias = {token: value for token, value in (params.logit_bias or {}).items() if 0 <= token < vocab}
+        processors = make_logits_processors(logit_bias=bias) + penalties
+        grammar = grammar_for(params.response_format)
+        if grammar is not None:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids)
+            processors.append(GrammarProcessor(self._grammar_tokenizer, grammar))
+        return processors
 
     def _step_and_check(self, marker: str) -> bool:
         applied = self._apply_ops()
@@ -276,6 +316,7 @@ class MlxEngine:
                 self.model,
                 max_tokens=request.max_tokens,
                 sampler=request.sampler,
+                logits_processors=request.logits_processors or None,
                 prompt_cache=request.cache,
             )
         token_array, logprobs = next(request.tokens)

@@ -42,6 +42,14 @@ class TextGenerationTaskParams(FrozenModel):
     # Return the sampled tokens' log-probabilities, with this many alternatives each.
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Penalties count the tokens generated so far, as OpenAI's do (not the prompt's).
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    # Token id -> bias added to its logit; ids outside the model's vocabulary are ignored.
+    logit_bias: dict[int, float] | None = None
+    # OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}.
+    response_format: dict[str, Any] | None = None
 
 
 class Usage(FrozenModel):
