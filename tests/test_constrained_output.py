@@ -3,8 +3,11 @@
 
 import json
 
+import openai
 import pytest
+from transformers import AutoTokenizer
 
+from conftest import TINY_MODEL_ID
 from exo.devtools.tiny_models import make_tiny_llama
 from exo.engine.mlx.constrained import grammar_for
 from exo.engine.mlx.engine import MlxEngine
@@ -96,3 +99,35 @@ def test_text_format_leaves_output_unconstrained(engine):
 def test_unusable_response_formats_are_refused(response_format):
     with pytest.raises(ValueError):
         grammar_for(response_format)
+
+
+def test_json_object_through_a_node_with_the_openai_sdk(exo_node, tiny_models_dir):
+    exo_node.place()
+    client = openai.OpenAI(base_url=f"{exo_node.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / TINY_MODEL_ID.replace("/", "--"))
+    closing = tokenizer.encode("}", add_special_tokens=False)[-1]
+    completion = client.chat.completions.create(
+        model=TINY_MODEL_ID,
+        messages=[{"role": "user", "content": "Describe the moon as JSON."}],
+        max_tokens=200,
+        seed=3,
+        response_format={"type": "json_object"},
+        logit_bias={str(closing): 5},
+    )
+    text = completion.choices[0].message.content
+    assert completion.choices[0].finish_reason == "stop", text
+    assert isinstance(json.loads(text), dict), text
+
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=TINY_MODEL_ID,
+            messages=[{"role": "user", "content": "hi"}],
+            logit_bias={"not-a-token": 5},
+        )
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "frob"}}}
+    response = exo_node.post(
+        "/v1/chat/completions",
+        json={"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "response_format": bad_schema},
+    )
+    assert response.status_code == 400, response.text
+    assert "frob" in response.json()["error"]["message"]

@@ -2,8 +2,9 @@
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from llguidance import LLMatcher
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from exo.shared.types.common import ModelId
@@ -16,6 +17,8 @@ from exo.shared.types.text_generation import (
 )
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+# OpenAI's logit_bias: token id (a string key in JSON) -> bias added to its logit.
+LogitBias = dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100.0, le=100.0)]]
 
 
 class ChatCompletionMessage(BaseModel):
@@ -33,6 +36,33 @@ class ChatCompletionMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # Aliased: `schema` would shadow a pydantic method.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        if self.json_schema is not None and self.json_schema.json_schema is not None:
+            # The engine compiles the schema the same way; checking here makes a schema
+            # it cannot use a 400 rather than a failed generation.
+            grammar = LLMatcher.grammar_from_json_schema(self.json_schema.json_schema)
+            is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+            if is_error:
+                raise ValueError(f"response_format schema is not usable: {messages[0]}")
+        return self
 
 
 class ChatCompletionRequest(BaseModel):
@@ -58,6 +88,11 @@ class ChatCompletionRequest(BaseModel):
     reasoning_effort: ReasoningEffort | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -85,6 +120,13 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
         tool_choice=request.tool_choice,
         enable_thinking=_enable_thinking(request),
         reasoning_effort=request.reasoning_effort,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias=request.logit_bias,
+        response_format=(
+            request.response_format.model_dump(by_alias=True, exclude_none=True) if request.response_format else None
+        ),
     )
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from exo.api.adapters.chat_completions import usage_body
+from exo.api.adapters.chat_completions import LogitBias, usage_body
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,
@@ -39,6 +39,10 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    logit_bias: LogitBias | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -72,6 +76,10 @@ def to_task_params(request: CompletionRequest, prompt_text: str) -> TextGenerati
         stop=stop,
         logprobs=request.logprobs is not None,
         top_logprobs=request.logprobs,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias=request.logit_bias,
     )
 
 

@@ -171,6 +171,8 @@ class MlxEngine:
 
     def submit(self, request_id: str, params: TextGenerationTaskParams) -> None:
         assert self.model is not None and self.tokenizer is not None, "load() first"
+        # An unusable schema fails here, back to the caller, not later inside a step.
+        grammar_for(params.response_format)
         # Every rank seeds its sampler the same way, so all ranks draw the same tokens.
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         self._pending_ops.append(
@@ -251,11 +253,11 @@ class MlxEngine:
         penalties = [
             _without_prompt_token(processor)
             for processor in make_logits_processors(
-                repetition_penalty=params.repetition_penalty,
+                repetition_penalty=self._pick(params, "repetition_penalty", None),
                 repetition_context_size=max_tokens,
-                presence_penalty=params.presence_penalty,
+                presence_penalty=self._pick(params, "presence_penalty", None),
                 presence_context_size=max_tokens,
-                frequency_penalty=params.frequency_penalty,
+                frequency_penalty=self._pick(params, "frequency_penalty", None),
                 frequency_context_size=max_tokens,
             )
         ]
@@ -276,16 +278,17 @@ class MlxEngine:
         self._advance_all()
         return marker in applied
 
-    def _sampler(self, params: TextGenerationTaskParams):
-        def pick(name: str, fallback: float | int) -> float | int:
-            value = getattr(params, name)
-            return value if value is not None else self.card_defaults.get(name, fallback)
+    def _pick(self, params: TextGenerationTaskParams, name: str, fallback: Any) -> Any:
+        """The request's value, else the model card's recommendation, else `fallback`."""
+        value = getattr(params, name)
+        return value if value is not None else self.card_defaults.get(name, fallback)
 
+    def _sampler(self, params: TextGenerationTaskParams):
         return make_sampler(
-            temp=float(pick("temperature", 0.7)),
-            top_p=float(pick("top_p", 1.0)),
-            min_p=float(pick("min_p", 0.0)),
-            top_k=int(pick("top_k", 0)),
+            temp=float(self._pick(params, "temperature", 0.7)),
+            top_p=float(self._pick(params, "top_p", 1.0)),
+            min_p=float(self._pick(params, "min_p", 0.0)),
+            top_k=int(self._pick(params, "top_k", 0)),
         )
 
     def step(self) -> list[ChunkGenerated]:
