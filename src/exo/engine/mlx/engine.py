@@ -210,6 +210,9 @@ class MlxEngine:
 
     def _start(self, request_id: str, params: TextGenerationTaskParams, seed: int) -> None:
         assert self.model is not None and self.tokenizer is not None
+        if grammar_for(params.response_format) is not None and params.enable_thinking is None:
+            # The grammar holds from the first token; a thinking block would swallow it.
+            params = params.model_copy(update={"enable_thinking": False})
         prompt, prompt_text = encode_prompt(self.tokenizer, params, self.model_type, self.reasoning_dialect)
         if not prompt:
             prompt = [self.tokenizer.bos_token_id or 0]
