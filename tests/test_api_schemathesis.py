@@ -57,11 +57,9 @@ def aim_at_the_tiny_model(body: object) -> None:
     for field in LENGTH_FIELDS:
         if field not in body or not _short(body[field]):
             body[field] = MAX_TOKENS
-    options = body.get("options")
-    if isinstance(options, dict) and not _short(options.get("num_predict")):
+    options = body.setdefault("options", {})
+    if isinstance(options, dict) and ("num_predict" not in options or not _short(options["num_predict"])):
         options["num_predict"] = MAX_TOKENS
-    elif "options" not in body:
-        body["options"] = {"num_predict": MAX_TOKENS}
 
 
 @pytest.mark.parametrize("path", OPERATIONS)
