@@ -94,8 +94,10 @@ def require_instance(request: Request, model: str) -> InstanceId | None:
     # Requests that arrive before the placed instance reaches State wait for it too.
     placing: dict[str, tuple[InstanceId, float]] = request.app.state.placing
     now = time.monotonic()
-    if model in placing and now - placing[model][1] < PLACEMENT_VISIBLE_SECONDS:
-        return placing[model][0]
+    if model in placing:
+        instance_id, placed_at = placing[model]
+        if now - placed_at < PLACEMENT_VISIBLE_SECONDS and instance_id not in state.instance_deletions:
+            return instance_id
     instance_id = place_model(node, model).instance.instance_id
     placing[model] = (instance_id, now)
     logger.info(f"auto-placing {model} as instance {instance_id}")
@@ -220,10 +222,12 @@ class Generation:
                 state = self.node.replica.state
                 instance = state.instances.get(instance_id)
                 now = loop.time()
-                if instance is None and now - started > PLACEMENT_VISIBLE_SECONDS:
+                deleted = state.instance_deletions.get(instance_id)
+                if instance is None and (deleted is not None or now - started > PLACEMENT_VISIBLE_SECONDS):
                     raise ApiError(
                         503,
                         f"the instance placed for '{self.command.params.model}' is gone before it served"
+                        + (f": {deleted}" if deleted else "")
                         + (f"; its runner failed: {last_failure}" if last_failure else ""),
                         code="model_load_failed",
                     )
