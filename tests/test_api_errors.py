@@ -54,12 +54,19 @@ def test_unknown_model_is_a_404_through_the_sdk(exo_node: ExoNode):
     assert "nobody/nothing" in raised.value.message
 
 
-def test_known_model_without_instance_is_a_404_that_says_what_to_do(exo_node: ExoNode):
-    response = exo_node.post(
-        "/v1/chat/completions", json={"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}]}
-    )
-    error = assert_openai_error(response, 404)
-    assert "place" in error["message"]
+def test_known_model_without_instance_is_a_404_that_says_what_to_do(tmp_path, tiny_models_dir):
+    from conftest import start_node, stop_node
+
+    # With auto-placement on (a lone node's default) the model would be placed instead.
+    node = start_node(tmp_path / "home", {"EXO_MODELS_DIRS": str(tiny_models_dir)}, args=("--no-auto-place",))
+    try:
+        response = node.post(
+            "/v1/chat/completions", json={"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "hi"}]}
+        )
+        error = assert_openai_error(response, 404)
+        assert "place" in error["message"]
+    finally:
+        stop_node(node)
 
 
 def test_cluster_endpoints_reject_bad_input(exo_node: ExoNode):

@@ -287,11 +287,16 @@ class MlxEngine:
         return value if value is not None else self.card_defaults.get(name, fallback)
 
     def _sampler(self, params: TextGenerationTaskParams):
+        assert self.tokenizer is not None
+        top_k = int(self._pick(params, "top_k", 0))
+        # Keeping the whole vocabulary or more is no filter at all (and mlx-lm's would fail).
+        if top_k >= len(self.tokenizer._tokenizer):
+            top_k = 0
         return make_sampler(
             temp=float(self._pick(params, "temperature", 0.7)),
             top_p=float(self._pick(params, "top_p", 1.0)),
             min_p=float(self._pick(params, "min_p", 0.0)),
-            top_k=int(self._pick(params, "top_k", 0)),
+            top_k=top_k,
         )
 
     def step(self) -> list[ChunkGenerated]:
