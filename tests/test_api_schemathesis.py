@@ -63,7 +63,7 @@ def aim_at_the_tiny_model(body: object) -> None:
 
 
 @pytest.mark.parametrize("path", OPERATIONS)
-def test_generation_endpoints_never_answer_5xx(api_schema: schemathesis.BaseSchema, path: str):
+def test_generation_endpoints_never_answer_5xx(api_schema: schemathesis.BaseSchema, node: ExoNode, path: str):
     # Hypothesis driven directly: schemathesis' pytest plugin does not run on pytest 9.
     operation = api_schema[path]["POST"]
     cases = st.one_of(operation.as_strategy(GenerationMode.POSITIVE), operation.as_strategy(GenerationMode.NEGATIVE))
@@ -74,4 +74,8 @@ def test_generation_endpoints_never_answer_5xx(api_schema: schemathesis.BaseSche
         aim_at_the_tiny_model(case.body)
         case.call_and_validate(checks=[not_a_server_error], timeout=60)
 
-    never_5xx()
+    try:
+        never_5xx()
+    except BaseException:
+        print(f"--- exo node log ---\n{node.logs()[-20000:]}")
+        raise

@@ -149,3 +149,28 @@ def test_repair_ignores_a_partial_multi_token_marker() -> None:
     start, end = THREE
     tokens = [80, 81, 5, 82, 80, 80, 81, 82]
     assert repair_unmatched_end(tokens, start, end) == [80, 81, 5, 82, 80, *start, 80, 81, 82]
+
+
+def test_the_engine_repairs_an_answer_sent_back_with_only_its_end_marker(tmp_path):
+    """Through the engine's real prompt encoding, with a Qwen3-family scripted tokenizer
+    whose think markers are single tokens."""
+    from mlx_lm.utils import load_tokenizer
+
+    from exo.devtools.scripted_models import FAMILY_SCRIPTS, make_scripted_model
+    from exo.engine.mlx.chat_template import encode_prompt
+    from exo.shared.types.common import ModelId
+    from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+
+    model_dir = make_scripted_model(tmp_path / "qwen3", "qwen3", FAMILY_SCRIPTS["qwen3"].script)
+    tokenizer = load_tokenizer(model_dir)
+    messages = [
+        ChatMessage(role="user", content="hi"),
+        ChatMessage(role="assistant", content="I should greet.</think>Hello!"),
+        ChatMessage(role="user", content="again"),
+    ]
+    params = TextGenerationTaskParams(model=ModelId("m"), messages=messages)
+    tokens, _ = encode_prompt(tokenizer, params, "qwen3", "post_last_user")
+    start, end = (tokenizer.encode(m, add_special_tokens=False) for m in ("<think>", "</think>"))
+    assert len(start) == 1 and len(end) == 1
+    position = tokens.index(end[0])
+    assert tokens[position - 1] == start[0]

@@ -6,6 +6,8 @@ from typing import Any
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from exo.engine.encoding import deepseek_v4, deepseek_v32
+from exo.engine.parsing.output import think_markers_for
+from exo.engine.parsing.reasoning import repair_unmatched_end
 from exo.engine.reasoning_dialect import apply_reasoning_dialect, template_fields
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 
@@ -80,6 +82,15 @@ def encode_prompt(
     """Prompt token ids and text. A raw prompt (text or ids) is used as it is."""
     if isinstance(params.prompt, list):
         return list(params.prompt), tokenizer.decode(params.prompt)
-    text = params.prompt if params.prompt is not None else render_prompt(tokenizer, params, model_type, dialect)
+    if params.prompt is not None:
+        return tokenizer.encode(params.prompt, add_special_tokens=False), params.prompt
+    text = render_prompt(tokenizer, params, model_type, dialect)
     # The template already wrote any BOS it wants.
-    return tokenizer.encode(text, add_special_tokens=False), text
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    markers = think_markers_for(model_type)
+    if markers is not None:
+        # An answer sent back as "thought</think>answer" (its start was in the earlier
+        # generation prompt) would leave an end marker the model never saw opened.
+        start_ids, end_ids = (tokenizer.encode(marker, add_special_tokens=False) for marker in markers)
+        tokens = repair_unmatched_end(tokens, start_ids, end_ids)
+    return tokens, text
