@@ -94,3 +94,20 @@ def test_cancelling_a_claude_stream_by_its_message_id_ends_the_stream(node: ExoN
         assert node.post(f"/v1/cancel/{message_id}").json() == {"cancelled": True, "id": message_id}
         events = [json.loads(data) for line in lines if (data := sse_data(line))]
     assert events[-1]["type"] == "message_stop"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/ollama/api/chat"])
+def test_a_client_that_hangs_up_on_a_non_streamed_request_cancels_it(node: ExoNode, path: str):
+    body = {
+        "model": TINY_MODEL_ID,
+        "messages": [{"role": "user", "content": "tell me everything"}],
+        "max_tokens": 200000,
+        "stream": False,
+        "options": {"num_predict": 200000, "temperature": 0},
+        "temperature": 0,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{node.url}{path}", json=body, timeout=2)
+    node.wait_for_state(lambda s: s["tasks"] == {}, timeout=10, what="the abandoned task dropped")
+    response = node.post("/v1/chat/completions", json={**long_chat(stream=False), "max_tokens": 3})
+    assert response.status_code == 200, response.text

@@ -39,6 +39,8 @@ PLACE_TIMEOUT_SECONDS = 3600.0
 PLACEMENT_VISIBLE_SECONDS = 10.0
 # Streams waiting for a model send a comment this often, so clients and proxies wait too.
 KEEPALIVE_SECONDS = 2.0
+# How often a non-streamed request checks that its client is still there.
+DISCONNECT_POLL_SECONDS = 0.5
 
 
 async def wait_until_accepted(
@@ -261,11 +263,23 @@ class Generation:
         self.streams.close(self.command_id)
         self.node.send_command(TaskFinished(finished_command_id=self.command_id))
 
-    async def collect(self) -> list[ChunkGenerated]:
+    async def collect(self, request: Request) -> list[ChunkGenerated]:
+        """Every chunk of a non-streamed answer. A client that hangs up meanwhile cancels
+        the generation, as closing a stream does; nobody reads the 499 then."""
+        gathered = asyncio.ensure_future(self._gather())
         try:
-            return [chunk async for chunk in self.chunks()]
+            while True:
+                done, _ = await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_SECONDS)
+                if done:
+                    return gathered.result()
+                if await request.is_disconnected():
+                    raise ApiError(499, "the client closed the request", code="client_closed_request")
         finally:
+            gathered.cancel()
             self.finish()
+
+    async def _gather(self) -> list[ChunkGenerated]:
+        return [chunk async for chunk in self.chunks()]
 
 
 async def start_generation(request: Request, params: TextGenerationTaskParams, stream: bool = False) -> Generation:

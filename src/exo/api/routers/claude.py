@@ -35,7 +35,7 @@ async def create_message(request: Request, body: ClaudeMessagesRequest):
 
         return stream_response(generation, events)
 
-    for chunk in await generation.collect():
+    for chunk in await generation.collect(request):
         encoder.feed(chunk)
     if encoder.error is not None:
         raise ApiError(500, encoder.error, code="generation_failed")

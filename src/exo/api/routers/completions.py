@@ -37,7 +37,7 @@ async def create_completion(request: Request, body: CompletionRequest):
 
         return stream_response(generation, events)
 
-    for chunk in await generation.collect():
+    for chunk in await generation.collect(request):
         encoder.feed(chunk)
     if encoder.error is not None:
         raise ApiError(500, encoder.error, code="generation_failed")

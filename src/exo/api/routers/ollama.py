@@ -49,7 +49,7 @@ async def _answer(
 
         return stream_response(generation, lines, media_type="application/x-ndjson")
 
-    for chunk in await generation.collect():
+    for chunk in await generation.collect(request):
         encoder.feed(chunk, time.monotonic_ns())
     if encoder.error is not None:
         raise ApiError(500, encoder.error)

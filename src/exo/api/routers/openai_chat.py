@@ -62,7 +62,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
 
         return stream_response(generation, sse)
 
-    chunks = await generation.collect()
+    chunks = await generation.collect(request)
     if chunks[-1].finish_reason == "error":
         raise generation_error(chunks[-1])
     return completion_body(completion_id, body.model, chunks)

@@ -28,7 +28,7 @@ async def create_response(request: Request, body: ResponsesRequest):
 
         return stream_response(generation, events)
 
-    for chunk in await generation.collect():
+    for chunk in await generation.collect(request):
         encoder.feed(chunk)
     if encoder.error is not None:
         raise ApiError(500, encoder.error, code="generation_failed")
