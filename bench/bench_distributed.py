@@ -47,7 +47,7 @@ def prefill_tps(url: str, model_id: str, words: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--prompt-words", type=int, default=2000)
+    parser.add_argument("--prompt-words", type=int, default=600)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         model_dir, model_id = bench_model(Path(scratch))
