@@ -13,7 +13,8 @@ import pytest
 
 from cluster import loopback_cluster, wait_converged
 from conftest import ExoNode, start_node, stop_node
-from exo.devtools.scripted_models import FAMILY_SCRIPTS, GET_WEATHER_TOOL, SAMPLE_MESSAGES, make_scripted_model
+from exo.devtools.scripted_families import FAMILY_SCRIPTS, GET_WEATHER_TOOL, SAMPLE_MESSAGES
+from exo.devtools.scripted_models import make_scripted_model
 
 # Qwen3 opens a tool call and stops inside its JSON arguments.
 TRUNCATED_MODEL_ID = "scripted/qwen3-truncated"

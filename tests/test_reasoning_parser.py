@@ -156,7 +156,8 @@ def test_the_engine_repairs_an_answer_sent_back_with_only_its_end_marker(tmp_pat
     whose think markers are single tokens."""
     from mlx_lm.utils import load_tokenizer
 
-    from exo.devtools.scripted_models import FAMILY_SCRIPTS, make_scripted_model
+    from exo.devtools.scripted_families import FAMILY_SCRIPTS
+    from exo.devtools.scripted_models import make_scripted_model
     from exo.engine.mlx.chat_template import encode_prompt
     from exo.shared.types.common import ModelId
     from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams

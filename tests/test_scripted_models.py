@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model, load_tokenizer
 
-from exo.devtools.scripted_models import (
+from exo.devtools.scripted_families import (
     AFTER_TOOL_RESULT_SCRIPTS,
     FAMILIES,
     FAMILY_SCRIPTS,
@@ -24,9 +24,8 @@ from exo.devtools.scripted_models import (
     SAMPLE_MESSAGES,
     SAMPLE_TOOL_RESULT_MESSAGES,
     ScriptedOutput,
-    make_scripted_model,
-    render_prompt,
 )
+from exo.devtools.scripted_models import make_scripted_model, render_prompt
 from exo.engine.parsing.base import Parsed
 from exo.engine.parsing.output import make_output_parser, think_markers_for, tool_format_for
 from exo.engine.parsing.reasoning import prompt_opens_reasoning

@@ -16,13 +16,8 @@ import openai
 import pytest
 
 from conftest import ExoNode, start_node, stop_node
-from exo.devtools.scripted_models import (
-    AFTER_TOOL_RESULT_SCRIPTS,
-    FAMILY_SCRIPTS,
-    GET_WEATHER_TOOL,
-    PLAIN_SCRIPT,
-    make_scripted_model,
-)
+from exo.devtools.scripted_families import AFTER_TOOL_RESULT_SCRIPTS, FAMILY_SCRIPTS, GET_WEATHER_TOOL, PLAIN_SCRIPT
+from exo.devtools.scripted_models import make_scripted_model
 from exo.devtools.tiny_models import make_tiny_llama
 
 WEATHER_MODEL = "scripted/qwen3-weather"
