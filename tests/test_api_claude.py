@@ -51,6 +51,19 @@ def test_non_streaming_message_has_text_stop_reason_and_usage(node: ExoNode):
         assert message.usage.output_tokens == 10
 
 
+def test_a_matched_stop_sequence_is_reported_as_such(node: ExoNode):
+    sdk = client(node)
+    whole = sdk.messages.create(model=TINY_MODEL_ID, max_tokens=12, messages=HELLO, extra_body=GREEDY)
+    text = whole.content[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3
+    message = sdk.messages.create(
+        model=TINY_MODEL_ID, max_tokens=12, messages=HELLO, stop_sequences=[stop], extra_body=GREEDY
+    )
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert message.content[0].text == text[: text.index(stop)]
+
+
 def test_stream_events_come_in_order_and_concatenate_to_the_non_streaming_text(node: ExoNode):
     sdk = client(node)
     kwargs = dict(model=TINY_MODEL_ID, max_tokens=12, messages=HELLO, extra_body=GREEDY)

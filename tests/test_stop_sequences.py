@@ -51,6 +51,9 @@ def test_flush_returns_the_held_text():
 
 def test_multiple_stop_sequences_the_earliest_wins():
     assert stream(["world", "lo"], ["hello world"]) == ("hel", True)
+    stop_filter = StopSequenceFilter(["world", "lo"])
+    stop_filter.feed("hello world")
+    assert stop_filter.matched == "lo"
 
 
 def test_multiple_stop_sequences_held_prefix_of_one_and_hit_of_another():

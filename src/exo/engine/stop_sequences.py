@@ -5,6 +5,8 @@ class StopSequenceFilter:
     def __init__(self, stop: list[str]) -> None:
         self.stop = [s for s in stop if s]
         self._held = ""
+        # The stop sequence that ended the stream, once one has.
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns the text safe to show now, and whether a stop sequence was hit."""
@@ -13,7 +15,7 @@ class StopSequenceFilter:
         pending = self._held + text
         hits = [(pending.find(s), s) for s in self.stop if s in pending]
         if hits:
-            cut = min(index for index, _ in hits)
+            cut, self.matched = min(hits)
             self._held = ""
             return pending[:cut], True
         keep = self._longest_stop_prefix_suffix(pending)

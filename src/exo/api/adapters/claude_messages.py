@@ -190,9 +190,9 @@ def approximate_token_count(text: str) -> int:
     return math.ceil(len(text) / 4)
 
 
-def stop_reason(finish_reason: FinishReason | None) -> StopReason:
-    # The engine reports a matched stop sequence as "stop" without saying which one, so
-    # it cannot be told apart from the end of the turn here.
+def stop_reason(finish_reason: FinishReason | None, stop_sequence: str | None = None) -> StopReason:
+    if stop_sequence is not None:
+        return "stop_sequence"
     return {"length": "max_tokens", "tool_calls": "tool_use"}.get(finish_reason or "stop", "end_turn")
 
 
@@ -213,6 +213,7 @@ class MessageEncoder:
         self.input_tokens = 0
         self.output_tokens = 0
         self.stop_reason: StopReason | None = None
+        self.stop_sequence: str | None = None
         self.error: str | None = None
 
     def _message(self) -> dict[str, Any]:
@@ -223,7 +224,7 @@ class MessageEncoder:
             "model": self.model,
             "content": self.blocks,
             "stop_reason": self.stop_reason,
-            "stop_sequence": None,
+            "stop_sequence": self.stop_sequence,
             "usage": {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens},
         }
 
@@ -281,9 +282,10 @@ class MessageEncoder:
             if chunk.usage is not None:
                 self.input_tokens = chunk.usage.prompt_tokens
                 self.output_tokens = chunk.usage.completion_tokens
-            self.stop_reason = stop_reason(chunk.finish_reason)
+            self.stop_reason = stop_reason(chunk.finish_reason, chunk.stop_sequence)
+            self.stop_sequence = chunk.stop_sequence
             usage = {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
-            delta = {"stop_reason": self.stop_reason, "stop_sequence": None}
+            delta = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
             events += [{"type": "message_delta", "delta": delta, "usage": usage}, {"type": "message_stop"}]
         return events
 

@@ -368,6 +368,7 @@ class MlxEngine:
             token_ids=[token],
             logprobs=None if request.want_logprobs is None else [self._logprob(token, logprobs, request.want_logprobs)],
             finish_reason=finish_reason,
+            stop_sequence=request.stop_filter.matched if finish_reason == "stop" else None,
             error_message=parsed.error,
         )
         if finish_reason is None:

@@ -115,6 +115,8 @@ class ChunkGenerated(FrozenModel):
     logprobs: list[TokenLogprob] | None = None
     prefill: PrefillProgress | None = None
     finish_reason: FinishReason | None = None
+    # Which of the request's stop sequences ended the answer (finish_reason "stop").
+    stop_sequence: str | None = None
     error_message: str | None = None
     usage: Usage | None = None
     stats: GenerationStats | None = None
