@@ -2,7 +2,6 @@
 conversions (tool use and thinking) on hand-made chunk streams."""
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -153,10 +152,7 @@ def test_client_leaving_mid_stream_cancels_the_task(node: ExoNode):
             deltas += line == "event: content_block_delta"
             if deltas == 3:
                 break
-    deadline = time.monotonic() + 20
-    while node.state()["tasks"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert node.state()["tasks"] == {}
+    node.wait_for_state(lambda s: s["tasks"] == {}, timeout=20, what="the task dropped")
 
 
 # The adapter alone: conversions the tiny random model cannot show.

@@ -1,6 +1,5 @@
 """OpenAI legacy Completions: the official openai SDK against one real node."""
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,10 +124,7 @@ def test_client_leaving_mid_stream_cancels_the_task(node: ExoNode):
         for received, _line in enumerate(response.iter_lines()):
             if received == 6:
                 break
-    deadline = time.monotonic() + 20
-    while node.state()["tasks"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert node.state()["tasks"] == {}
+    node.wait_for_state(lambda s: s["tasks"] == {}, timeout=20, what="the task dropped")
 
 
 def test_adapter_passes_the_raw_prompt_and_logprobs():

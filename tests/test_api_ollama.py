@@ -1,7 +1,6 @@
 """Ollama's API: the official ollama SDK pointed at http://HOST:PORT/ollama of one real
 node, and the adapter's conversions (tool calls and thinking) on hand-made chunks."""
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,10 +111,7 @@ def test_client_leaving_mid_stream_cancels_the_task(node: ExoNode):
         for received, _line in enumerate(response.iter_lines()):
             if received == 4:
                 break
-    deadline = time.monotonic() + 20
-    while node.state()["tasks"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert node.state()["tasks"] == {}
+    node.wait_for_state(lambda s: s["tasks"] == {}, timeout=20, what="the task dropped")
 
 
 # The adapter alone: conversions the tiny random model cannot show.

@@ -1,7 +1,6 @@
 """OpenAI Responses: the official openai SDK against one real node, and the adapter's
 conversions (function calls and reasoning) on hand-made chunk streams."""
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,10 +102,7 @@ def test_client_leaving_mid_stream_cancels_the_task(node: ExoNode):
             deltas += line == "event: response.output_text.delta"
             if deltas == 3:
                 break
-    deadline = time.monotonic() + 20
-    while node.state()["tasks"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert node.state()["tasks"] == {}
+    node.wait_for_state(lambda s: s["tasks"] == {}, timeout=20, what="the task dropped")
 
 
 # The adapter alone: conversions the tiny random model cannot show.
