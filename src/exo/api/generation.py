@@ -346,3 +346,15 @@ def local_tokenizer(request: Request, model: str) -> "Tokenizer | None":
         return None
     model_dir = find_local_model_dir(model, node.config.exo_home)
     return _tokenizer_at(model_dir) if model_dir is not None else None
+
+
+def generation_error(chunk: ChunkGenerated) -> ApiError:
+    """The error for a generation that ended in one. A generation that ran to its end but
+    whose output could not be parsed (a tool call left open or malformed) comes from the
+    engine with its usage, and is a 422: the request was valid and the node is healthy,
+    yet the model's answer cannot be given in the shape the request asked for (and SDKs,
+    which retry 5xx, do not rerun it). A failed runner or a lost task has no usage: 500."""
+    message = chunk.error_message or "generation failed"
+    if chunk.usage is not None:
+        return ApiError(422, f"the model's output could not be parsed: {message}", code="invalid_model_output")
+    return ApiError(500, message, code="generation_failed")

@@ -13,8 +13,7 @@ from exo.api.adapters.claude_messages import (
     sse,
     to_task_params,
 )
-from exo.api.errors import ApiError
-from exo.api.generation import local_tokenizer, start_generation, stream_response
+from exo.api.generation import generation_error, local_tokenizer, start_generation, stream_response
 from exo.api.routers.cluster import card_or_404, node_of
 from exo.shared.types.text_generation import ChunkGenerated
 
@@ -35,10 +34,11 @@ async def create_message(request: Request, body: ClaudeMessagesRequest):
 
         return stream_response(generation, events)
 
-    for chunk in await generation.collect(request):
+    chunks = await generation.collect(request)
+    if chunks[-1].finish_reason == "error":
+        raise generation_error(chunks[-1])
+    for chunk in chunks:
         encoder.feed(chunk)
-    if encoder.error is not None:
-        raise ApiError(500, encoder.error, code="generation_failed")
     return encoder.body()
 
 

@@ -21,8 +21,7 @@ from exo.api.adapters.ollama import (
     now,
     show_body,
 )
-from exo.api.errors import ApiError
-from exo.api.generation import Generation, require_instance, start_generation, stream_response
+from exo.api.generation import Generation, generation_error, require_instance, start_generation, stream_response
 from exo.api.routers.cluster import card_or_404, node_of
 from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams
 
@@ -49,10 +48,11 @@ async def _answer(
 
         return stream_response(generation, lines, media_type="application/x-ndjson")
 
-    for chunk in await generation.collect(request):
+    chunks = await generation.collect(request)
+    if chunks[-1].finish_reason == "error":
+        raise generation_error(chunks[-1])
+    for chunk in chunks:
         encoder.feed(chunk, time.monotonic_ns())
-    if encoder.error is not None:
-        raise ApiError(500, encoder.error)
     return encoder.body()
 
 

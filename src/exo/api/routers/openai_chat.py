@@ -11,8 +11,7 @@ from exo.api.adapters.chat_completions import (
     completion_body,
     to_task_params,
 )
-from exo.api.errors import ApiError
-from exo.api.generation import start_generation, stream_response
+from exo.api.generation import generation_error, start_generation, stream_response
 from exo.api.routers.cluster import node_of
 from exo.shared.types.text_generation import ChunkGenerated
 
@@ -66,15 +65,3 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
     if chunks[-1].finish_reason == "error":
         raise generation_error(chunks[-1])
     return completion_body(completion_id, body.model, chunks)
-
-
-def generation_error(chunk: ChunkGenerated) -> ApiError:
-    """The error for a generation that ended in one. A generation that ran to its end but
-    whose output could not be parsed (a tool call left open or malformed) comes from the
-    engine with its usage, and is a 422: the request was valid and the node is healthy,
-    yet the model's answer cannot be given in the shape the request asked for (and SDKs,
-    which retry 5xx, do not rerun it). A failed runner or a lost task has no usage: 500."""
-    message = chunk.error_message or "generation failed"
-    if chunk.usage is not None:
-        return ApiError(422, f"the model's output could not be parsed: {message}", code="invalid_model_output")
-    return ApiError(500, message, code="generation_failed")

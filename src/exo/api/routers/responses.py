@@ -5,8 +5,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 
 from exo.api.adapters.responses import ResponseEncoder, ResponsesRequest, sse, to_task_params
-from exo.api.errors import ApiError
-from exo.api.generation import start_generation, stream_response
+from exo.api.generation import generation_error, start_generation, stream_response
 from exo.shared.types.text_generation import ChunkGenerated
 
 router = APIRouter(prefix="/v1")
@@ -28,8 +27,9 @@ async def create_response(request: Request, body: ResponsesRequest):
 
         return stream_response(generation, events)
 
-    for chunk in await generation.collect(request):
+    chunks = await generation.collect(request)
+    if chunks[-1].finish_reason == "error":
+        raise generation_error(chunks[-1])
+    for chunk in chunks:
         encoder.feed(chunk)
-    if encoder.error is not None:
-        raise ApiError(500, encoder.error, code="generation_failed")
     return encoder.response()
