@@ -187,3 +187,19 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     setattr(item, f"rep_{report.when}", report)
+
+
+def load_engine(model_dir: Path):
+    """The real MLX engine in this process, one rank holding the whole model (for tests
+    of the engine itself, without a node)."""
+    from exo.engine.mlx.engine import MlxEngine
+    from exo.shared.models.model_cards import card_from_model_dir
+    from exo.shared.types.shards import PipelineShardMetadata
+
+    card = card_from_model_dir(model_dir, "test/model")
+    shard = PipelineShardMetadata(
+        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers, n_layers=card.n_layers
+    )
+    engine = MlxEngine()
+    engine.load(model_dir, shard, lambda done, total: None)
+    return engine

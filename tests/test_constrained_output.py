@@ -7,13 +7,11 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TINY_MODEL_ID
+from conftest import TINY_MODEL_ID, load_engine
 from exo.devtools.tiny_models import make_tiny_llama
 from exo.engine.mlx.constrained import grammar_for
 from exo.engine.mlx.engine import MlxEngine
-from exo.shared.models.model_cards import card_from_model_dir
 from exo.shared.types.common import ModelId
-from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 
 SCHEMA = {
@@ -31,13 +29,7 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> MlxEngine:
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
-    card = card_from_model_dir(model_dir, "test/model")
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers, n_layers=card.n_layers
-    )
-    engine = MlxEngine()
-    engine.load(model_dir, shard, lambda done, total: None)
-    return engine
+    return load_engine(model_dir)
 
 
 def _generate(engine: MlxEngine, response_format, seed: int = 0, **sampling) -> tuple[str, str | None]:

@@ -6,26 +6,15 @@ trimmed (resumed from a prefill snapshot), and Llama, whose cache is trimmed bac
 
 import pytest
 
+from conftest import load_engine
 from exo.devtools.tiny_models import make_tiny
 from exo.engine.mlx import engine as engine_module
 from exo.engine.mlx.engine import MlxEngine
 from exo.engine.mlx.prefix_cache import PrefixCache
-from exo.shared.models.model_cards import card_from_model_dir
 from exo.shared.types.common import ModelId
-from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 
 PREFIX = "cluster node model token the cat runs over the quiet moon " * 12
-
-
-def _engine(model_dir) -> MlxEngine:
-    card = card_from_model_dir(model_dir, "test/model")
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers, n_layers=card.n_layers
-    )
-    engine = MlxEngine()
-    engine.load(model_dir, shard, lambda done, total: None)
-    return engine
 
 
 def _answer(engine: MlxEngine, question: str) -> tuple[list[int], int]:
@@ -49,7 +38,7 @@ def _answer(engine: MlxEngine, question: str) -> tuple[list[int], int]:
 @pytest.mark.parametrize("arch", ["deepseek_v4", "llama"])
 def test_shared_prefix_is_reused_and_answers_like_a_cold_run(arch, tmp_path, monkeypatch):
     monkeypatch.setattr(engine_module, "PREFILL_STEP", 16)
-    engine = _engine(make_tiny(tmp_path / arch, arch))
+    engine = load_engine(make_tiny(tmp_path / arch, arch))
     _, cached_first = _answer(engine, "what sleeps?")
     warm, cached_second = _answer(engine, "what runs fast?")
     assert cached_first == 0

@@ -4,27 +4,20 @@ in this process (no node), decoding greedily."""
 import pytest
 from pydantic import ValidationError
 
+from conftest import load_engine
 from exo.api.adapters.chat_completions import ChatCompletionRequest
 from exo.api.adapters.chat_completions import to_task_params as chat_task_params
 from exo.api.adapters.completions import CompletionRequest
 from exo.devtools.tiny_models import make_tiny_llama
 from exo.engine.mlx.engine import MlxEngine
-from exo.shared.models.model_cards import card_from_model_dir
 from exo.shared.types.common import ModelId
-from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> MlxEngine:
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
-    card = card_from_model_dir(model_dir, "test/model")
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers, n_layers=card.n_layers
-    )
-    engine = MlxEngine()
-    engine.load(model_dir, shard, lambda done, total: None)
-    return engine
+    return load_engine(model_dir)
 
 
 def _greedy(engine: MlxEngine, max_tokens: int = 12, **sampling) -> list[int]:
