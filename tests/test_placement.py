@@ -424,18 +424,23 @@ def test_nodes_without_a_worker_are_not_placed_on_even_when_linked():
 # --- hosts ---------------------------------------------------------------------------------
 
 
-def test_each_rank_is_addressed_where_the_previous_rank_reached_it():
-    card = make_card(weights_gib=30)
-    state = cluster(a=20, b=20).model_copy(
+def two_nodes_reached_at(a_ip: str, b_ip: str) -> State:
+    """Nodes a and b (20 GiB each), each reaching the other at the given address."""
+    return cluster(a=20, b=20).model_copy(
         update={
             "topology": Topology(
                 connections=[
-                    Connection(source=NodeId("a"), sink=NodeId("b"), sink_ip="192.168.1.2"),
-                    Connection(source=NodeId("b"), sink=NodeId("a"), sink_ip="192.168.1.1"),
+                    Connection(source=NodeId("a"), sink=NodeId("b"), sink_ip=b_ip),
+                    Connection(source=NodeId("b"), sink=NodeId("a"), sink_ip=a_ip),
                 ]
             )
         }
     )
+
+
+def test_each_rank_is_addressed_where_the_previous_rank_reached_it():
+    card = make_card(weights_gib=30)
+    state = two_nodes_reached_at(b_ip="192.168.1.2", a_ip="192.168.1.1")
     instance = place_instance(state, card)
     assert nodes_by_rank(instance) == ["a", "b"]
     assert instance.hosts == [f"192.168.1.1:{RING_BASE_PORT}", f"192.168.1.2:{RING_BASE_PORT + 1}"]
@@ -443,16 +448,7 @@ def test_each_rank_is_addressed_where_the_previous_rank_reached_it():
 
 def test_two_ranks_on_one_ip_get_distinct_ports():
     card = make_card(weights_gib=30)
-    state = cluster(a=20, b=20).model_copy(
-        update={
-            "topology": Topology(
-                connections=[
-                    Connection(source=NodeId("a"), sink=NodeId("b"), sink_ip="127.0.0.1"),
-                    Connection(source=NodeId("b"), sink=NodeId("a"), sink_ip="127.0.0.1"),
-                ]
-            )
-        }
-    )
+    state = two_nodes_reached_at(b_ip="127.0.0.1", a_ip="127.0.0.1")
     hosts = place_instance(state, card).hosts
     assert [host.split(":")[0] for host in hosts] == ["127.0.0.1", "127.0.0.1"]
     assert len(set(hosts)) == 2
@@ -649,16 +645,7 @@ def test_no_instance_when_none_serves_the_model(small_card: ModelCard):
 
 def test_a_later_placement_does_not_reuse_the_ports_of_one_just_deleted():
     card = make_card(weights_gib=30)
-    state = cluster(a=20, b=20).model_copy(
-        update={
-            "topology": Topology(
-                connections=[
-                    Connection(source=NodeId("a"), sink=NodeId("b"), sink_ip="192.168.1.2"),
-                    Connection(source=NodeId("b"), sink=NodeId("a"), sink_ip="192.168.1.1"),
-                ]
-            )
-        }
-    )
+    state = two_nodes_reached_at(b_ip="192.168.1.2", a_ip="192.168.1.1")
     first = place_instance(state, card).hosts
     # Same cluster a few events later (the first instance came and went).
     later = place_instance(state.model_copy(update={"last_event_applied_idx": 12}), card).hosts
