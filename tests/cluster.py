@@ -55,11 +55,6 @@ class ClusterNode(ExoNode):
     namespace: str = ""  # the exo --namespace
     netns: str | None = None  # the Linux network namespace it runs in, if any
 
-    def node_id(self) -> str:
-        response = self.get("/node_id")
-        response.raise_for_status()
-        return response.json()
-
 
 class Cluster(list):
     """The running nodes, in start order; `started` also keeps the stopped ones."""

@@ -63,8 +63,13 @@ class ExoNode:
             time.sleep(0.05)
         raise AssertionError(f"timed out waiting for {what}; last state: {state}")
 
+    def node_id(self) -> str:
+        response = self.get("/node_id")
+        response.raise_for_status()
+        return response.json()
+
     def place(self, model_id: str = TINY_MODEL_ID, timeout: float = 120) -> str:
-        node_id = self.get("/node_id").json()
+        node_id = self.node_id()
         self.wait_for_state(lambda s: node_id in s["nodes"], what="this node in the topology")
         response = self.post("/place_instance", json={"model_id": model_id})
         assert response.status_code == 200, response.text

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import RedirectResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exo.api.chunk_streams import ChunkStreams
@@ -51,4 +53,10 @@ def create_app(node: "Node") -> FastAPI:
     app.include_router(completions.router)
     app.include_router(ollama.router)
     app.include_router(cancel.router)
+    app.mount("/dashboard", StaticFiles(packages=[("exo", "resources/dashboard")], html=True), name="dashboard")
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> RedirectResponse:
+        return RedirectResponse("/dashboard/")
+
     return app
