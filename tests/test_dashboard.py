@@ -9,6 +9,7 @@ from importlib.resources import files
 from pathlib import Path
 
 import httpx
+
 from conftest import TINY_MODEL_ID, ExoNode
 
 DASHBOARD = Path(str(files("exo") / "resources" / "dashboard"))
