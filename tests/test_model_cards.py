@@ -18,6 +18,7 @@ from exo.shared.models.model_cards import (
     card_from_model_dir,
     find_local_model_dir,
     is_complete_model_dir,
+    kv_sharing_tail_start,
     local_cards,
     models_dirs,
     read_only_models_dirs,
@@ -218,6 +219,37 @@ def test_multimodal_config_is_read_from_text_config(tmp_path):
     assert card.capabilities == ["text", "vision"]
     # exo's own Gemma 4 tensor strategy (engine/mlx/sharding/gemma4.py) covers it.
     assert card.supports_tensor
+
+
+E4B_LAYER_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 7
+
+
+@pytest.mark.parametrize(
+    ("n_layers", "n_shared", "layer_types", "expected"),
+    [
+        (8, 2, "tiny", 4),  # the tiny Gemma 4 of devtools/tiny_configs.py, as it is
+        (35, 20, None, 13),  # E2B: no layer_types, mlx-lm's default pattern of 5
+        (42, 18, E4B_LAYER_TYPES, 22),  # E4B
+        (8, 0, None, None),  # no KV sharing, no constraint
+    ],
+)
+def test_kv_sharing_tail_starts_at_the_first_layer_a_shared_layer_reads(n_layers, n_shared, layer_types, expected):
+    from mlx_lm.models import gemma4_text
+
+    from exo.devtools.tiny_configs import TINY_CONFIGS
+
+    text = dict(TINY_CONFIGS["gemma4"]["text_config"], num_hidden_layers=n_layers, num_kv_shared_layers=n_shared)
+    if layer_types is None:
+        del text["layer_types"]
+    elif layer_types != "tiny":
+        text["layer_types"] = layer_types
+    config = {"model_type": "gemma4", "text_config": text}
+
+    assert kv_sharing_tail_start(config) == expected
+    # mlx-lm's own map of which layer each layer takes its keys and values from agrees.
+    model = gemma4_text.Gemma4TextModel(gemma4_text.ModelArgs.from_dict(text))
+    borrowed = [source for layer, source in enumerate(model.previous_kvs) if source != layer]
+    assert min(borrowed, default=None) == expected
 
 
 def test_dir_whose_index_lists_a_missing_shard_is_ignored(tmp_path):

@@ -40,11 +40,10 @@ FOUR_WAY_DEFAULT = {
     ("deepseek_v3", "pipeline"),
     ("deepseek_v3", "tensor"),
     ("gpt_oss", "pipeline"),
+    # Equal shares would cut between the KV-shared layers and their sources; the split
+    # keeps them on the last rank (placement's pipeline_tail_start).
+    ("gemma4", "pipeline"),
 }
-
-# A 4-way split of the tiny Gemma 4 puts its KV-shared layers on another rank than the
-# layers whose keys and values they read; exo refuses such a split (tested below).
-SPLIT_THROUGH_KV_SHARING = {("gemma4", 4)}
 
 # The ranks import transformers only for the tokenizer; blocking torch (as on a Mac with
 # just MLX) halves each rank's start-up time.
@@ -70,8 +69,6 @@ def _cases() -> list:
                 if world_size == 4 and not (FULL or (arch, sharding) in FOUR_WAY_DEFAULT):
                     continue
                 if sharding == "pipeline" and _n_layers(TINY_CONFIGS[arch]) < world_size:
-                    continue
-                if sharding == "pipeline" and (arch, world_size) in SPLIT_THROUGH_KV_SHARING:
                     continue
                 if sharding == "tensor" and not _has_tensor_strategy(TINY_CONFIGS[arch]):
                     continue

@@ -299,6 +299,42 @@ def test_pipeline_layers_are_split_in_proportion_to_free_memory_beyond_the_overh
     assert [(s.start_layer, s.end_layer) for s in shards_by_rank(instance)] == [(0, 30), (30, 40)]
 
 
+def test_split_layers_keeps_the_tail_on_the_last_rank_for_many_weight_lists():
+    rng = random.Random(20261130)
+    for _ in range(2000):
+        parts = rng.randint(1, 6)
+        n_layers = rng.randint(parts, 64)
+        tail_start = rng.randint(parts - 1, n_layers - 1)
+        weights = [rng.choice([0, 1, rng.randint(1, 512 * GiB)]) for _ in range(parts)]
+        ranges = split_layers(n_layers, weights, tail_start)
+        assert_valid_split(n_layers, ranges, parts)
+        assert ranges[-1][0] <= tail_start, (n_layers, weights, tail_start, ranges)
+
+
+def test_gemma4_e2b_pipeline_keeps_the_kv_shared_layers_with_their_sources():
+    # Equal memory would cut at layer 18, between the KV-shared layers (15..34) and
+    # layers 13 and 14 whose keys and values they read; the cut moves back to 13.
+    card = builtin_cards()["mlx-community/gemma-4-e2b-it-4bit"]
+    assert card.pipeline_tail_start == 13
+    instance = place_instance(fully_linked(a=64, b=64), card, min_nodes=2)
+    assert [(s.start_layer, s.end_layer) for s in shards_by_rank(instance)] == [(0, 13), (13, 35)]
+    # Without the rule the same nodes split in the middle.
+    plain = card.model_copy(update={"pipeline_tail_start": None})
+    assert [
+        (s.start_layer, s.end_layer)
+        for s in shards_by_rank(place_instance(fully_linked(a=64, b=64), plain, min_nodes=2))
+    ] == [(0, 18), (18, 35)]
+
+
+def test_a_pipeline_with_more_ranks_than_layers_before_the_kv_shared_tail_is_rejected():
+    card = make_card(n_layers=8).model_copy(update={"pipeline_tail_start": 2})
+    three = instance_previews(fully_linked(a=64, b=64, c=64), card, Sharding.Pipeline, 3)
+    assert [(s.start_layer, s.end_layer) for s in shards_by_rank(three[0].instance)] == [(0, 1), (1, 2), (2, 8)]
+    four = instance_previews(fully_linked(a=64, b=64, c=64, d=64), card, Sharding.Pipeline, 4)
+    assert all(p.instance is None for p in four)
+    assert "keeps layers 2..7 on one pipeline rank" in four[0].error
+
+
 def test_pipeline_with_more_nodes_than_layers_is_rejected():
     previews = instance_previews(fully_linked(a=64, b=64, c=64), make_card(n_layers=2), Sharding.Pipeline, 3)
     [preview] = previews

@@ -26,7 +26,11 @@ from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
 
 def build_instance(model_dir: Path, sharding: Sharding, world_size: int, hosts: list[str]) -> Instance:
     card = card_from_model_dir(model_dir, "check/model")
-    ranges = split_layers(card.n_layers, [1] * world_size) if sharding == Sharding.Pipeline else None
+    ranges = (
+        split_layers(card.n_layers, [1] * world_size, card.pipeline_tail_start)
+        if sharding == Sharding.Pipeline
+        else None
+    )
     shards = {}
     for rank in range(world_size):
         start, end = ranges[rank] if ranges else (0, card.n_layers)

@@ -127,13 +127,15 @@ def kv_cache_bytes(card: ModelCard, context_length: int) -> int:
     return 2 * card.n_layers * kv_heads * head_dim * context_length * KV_BYTES_PER_ELEMENT
 
 
-def split_layers(n_layers: int, weights: list[int]) -> list[tuple[int, int]]:
-    """Contiguous layer ranges proportional to weights, every range non-empty."""
+def split_layers(n_layers: int, weights: list[int], tail_start: int | None = None) -> list[tuple[int, int]]:
+    """Contiguous layer ranges proportional to weights, every range non-empty; with
+    `tail_start`, the last range starts no later than that layer."""
     total = sum(weights) or 1
+    last_start = n_layers - 1 if tail_start is None else min(max(tail_start, len(weights) - 1), n_layers - 1)
     bounds = [0]
     for i in range(1, len(weights)):
         share = round(n_layers * sum(weights[:i]) / total)
-        bounds.append(min(max(share, bounds[-1] + 1), n_layers - (len(weights) - i)))
+        bounds.append(min(max(share, bounds[-1] + 1), last_start - (len(weights) - 1 - i)))
     bounds.append(n_layers)
     return list(zip(bounds, bounds[1:], strict=False))
 
@@ -277,7 +279,8 @@ def _layer_ranges(card: ModelCard, sharding: Sharding, available: list[int]) -> 
         # Cannot be placed; one layer each still shows roughly what a node would hold.
         return [(0, 1)] * len(available)
     # What is left after the fixed overhead is what the layers can use.
-    return split_layers(card.n_layers, [max(free - RUNTIME_OVERHEAD_BYTES, 0) for free in available])
+    weights = [max(free - RUNTIME_OVERHEAD_BYTES, 0) for free in available]
+    return split_layers(card.n_layers, weights, card.pipeline_tail_start)
 
 
 def _bytes_needed(card: ModelCard, context: int, layers: int, tensor_ways: int) -> int:
@@ -288,6 +291,12 @@ def _bytes_needed(card: ModelCard, context: int, layers: int, tensor_ways: int) 
 def _structure_reason(card: ModelCard, sharding: Sharding, n: int) -> str | None:
     if sharding == Sharding.Pipeline and n > card.n_layers:
         return f"{card.model_id} has {card.n_layers} layers, too few for {n} pipeline ranks"
+    tail = card.pipeline_tail_start
+    if sharding == Sharding.Pipeline and tail is not None and n > tail + 1:
+        return (
+            f"{card.model_id} keeps layers {tail}..{card.n_layers - 1} on one pipeline rank (they share keys "
+            f"and values), which leaves {tail} layers for the other {n - 1} ranks"
+        )
     if sharding != Sharding.Tensor or n == 1:
         return None
     if not card.supports_tensor:

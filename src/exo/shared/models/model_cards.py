@@ -91,6 +91,10 @@ class ModelCard(FrozenModel):
     storage_size: StorageSize
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     vision: VisionCard | None = None
+    # Layers from this index to the last must sit on one pipeline rank. Gemma 4 E2B/E4B
+    # end in layers that read the keys and values of the last layers before them rather
+    # than make their own, so a pipeline cut anywhere in that tail would cross ranks.
+    pipeline_tail_start: int | None = Field(None, ge=0)
 
 
 def _resource_dir(name: str) -> Path:
@@ -212,6 +216,24 @@ FAMILY_REASONING_DIALECTS: dict[str, ReasoningDialect] = {
 }
 
 
+def kv_sharing_tail_start(config: dict) -> int | None:
+    """The first layer whose keys and values a KV-shared layer reads (None without KV
+    sharing): each shared layer reuses the last unshared layer of its own attention type."""
+    text = config.get("text_config", config)
+    n_layers, n_shared = text.get("num_hidden_layers"), text.get("num_kv_shared_layers") or 0
+    if not n_layers or n_shared <= 0 or n_shared >= n_layers:
+        return None
+    layer_types = text.get("layer_types")
+    if not layer_types or len(layer_types) != n_layers:
+        # As mlx-lm fills them in: (pattern - 1) sliding layers, then one full layer.
+        pattern = text.get("sliding_window_pattern") or 5
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+    first_shared = n_layers - n_shared
+    last_of_type = {kind: i for i, kind in enumerate(layer_types[:first_shared])}
+    sources = [last_of_type[kind] for kind in set(layer_types[first_shared:]) if kind in last_of_type]
+    return min(sources, default=None)
+
+
 def card_from_model_dir(model_dir: Path, model_id: str) -> ModelCard:
     """A card derived from config.json alone, for models exo has no built-in card for."""
     config = json.loads((model_dir / "config.json").read_text())
@@ -239,6 +261,7 @@ def card_from_model_dir(model_dir: Path, model_id: str) -> ModelCard:
         reasoning_dialect=FAMILY_REASONING_DIALECTS.get(model_type, ReasoningDialect.none),
         context_length=_config_value(config, "max_position_embeddings"),
         storage_size=StorageSize(in_bytes=weight_bytes),
+        pipeline_tail_start=kv_sharing_tail_start(config),
     )
 
 
