@@ -62,8 +62,10 @@ function renderNodes() {
     ),
   );
   const fmt = (value, unit) => (value === null || value === undefined ? "measuring…" : `${value.toFixed(1)} ${unit}`);
+  const links = linkRows(state);
   $("links").tBodies[0].replaceChildren(
-    ...linkRows(state).map((link) =>
+    ...(links.length === 0 ? [el("tr", {}, el("td", { colspan: "5", class: "muted" }, "No links measured yet."))] : []),
+    ...links.map((link) =>
       el(
         "tr",
         {},
@@ -84,9 +86,10 @@ async function deleteInstance(instanceId) {
 
 function renderInstances() {
   const rows = instanceRows(state);
-  const deleted = Object.entries(state.instanceDeletions ?? {});
+  // The most recent few removals, with why: a failed instance explains itself here.
+  const deleted = Object.entries(state.instanceDeletions ?? {}).slice(-3);
   $("instances").replaceChildren(
-    rows.length === 0 ? el("p", { class: "muted" }, "No model is placed yet.") : null,
+    ...(rows.length === 0 ? [el("p", { class: "muted" }, "No model is placed yet.")] : []),
     ...rows.map((instance) =>
       el(
         "div",

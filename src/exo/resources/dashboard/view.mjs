@@ -122,6 +122,7 @@ export function downloadRows(state) {
       } else if (progress.kind === "DownloadFailed") {
         text = `Failed: ${progress.errorMessage}`;
       } else if (progress.kind === "DownloadCompleted") {
+        text = `downloaded, ${formatBytes(progress.totalBytes)}`;
         fraction = 1;
       }
       rows.push({ node: nodeName(state, nodeId), modelId, text, fraction });
