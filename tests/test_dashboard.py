@@ -91,3 +91,5 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
     assert reply["content"] == expected_content and reply["content"]
     assert reply["finishReason"] in ("stop", "length")
     assert reply["usage"]["completion_tokens"] > 0
+    assert reply["stats"]["generation_tokens"] == reply["usage"]["completion_tokens"]
+    assert reply["stats"]["generation_tps"] > 0

@@ -277,10 +277,10 @@ async function sendChat(event) {
     $("send-button").disabled = false;
   }
   if (reply.content) history.push({ role: "assistant", content: reply.content });
-  const seconds = (performance.now() - (firstToken ?? started)) / 1000;
-  const tokens = reply.usage?.completion_tokens;
-  $("chat-stats").textContent = tokens
-    ? `${tokens} tokens, ${(tokens / Math.max(seconds, 1e-3)).toFixed(1)} tokens/s, ` +
+  const stats = reply.stats;
+  $("chat-stats").textContent = stats
+    ? `${stats.prompt_tokens} prompt tokens at ${stats.prompt_tps.toFixed(1)} tokens/s, ` +
+      `${stats.generation_tokens} generated at ${stats.generation_tps.toFixed(1)} tokens/s, ` +
       `first token after ${((firstToken ?? started) - started).toFixed(0)} ms, ${reply.finishReason ?? "stopped"}`
     : "";
 }

@@ -181,6 +181,8 @@ export function foldChatStream(reply, event) {
     if (choice.finish_reason) next.finishReason = choice.finish_reason;
   }
   if (chunk.usage) next.usage = chunk.usage;
+  // exo's own extra on the final chunk: prompt and generation speed measured by the engine.
+  if (chunk.generation_stats) next.stats = chunk.generation_stats;
   return next;
 }
 
