@@ -83,6 +83,19 @@ def test_echo_puts_the_prompt_first_and_logprobs_are_accepted(node: ExoNode):
     assert with_logprobs.usage.completion_tokens > 0
 
 
+def test_logprobs_stay_json_numbers_under_an_extreme_repetition_penalty(node: ExoNode):
+    # Found by schemathesis: a penalty of 5e-324 divides logits by ~0, the log
+    # probabilities became -inf/NaN, and serialising them was a 500.
+    sdk = client(node)
+    for extra in ({"repetition_penalty": 5e-324}, {"repetition_penalty": 1e300}):
+        completion = sdk.completions.create(
+            model=TINY_MODEL_ID, prompt=PROMPT, max_tokens=4, logprobs=3, extra_body=extra
+        )
+        logprobs = completion.choices[0].logprobs
+        values = logprobs.token_logprobs + [v for top in logprobs.top_logprobs for v in top.values()]
+        assert values and all(-9999.0 <= v <= 0.0 for v in values), values
+
+
 def test_stop_sequence_cuts_the_text(node: ExoNode):
     sdk = client(node)
     base = sdk.completions.create(model=TINY_MODEL_ID, prompt=PROMPT, max_tokens=20, temperature=0).choices[0].text

@@ -248,3 +248,38 @@ def test_runners_do_not_outlive_a_killed_node(exo_node: ExoNode):
         time.sleep(0.2)
         alive = [p for p in runner_pids if _running(p)]
     assert alive == [], "runner processes were left behind"
+
+
+def test_placement_dry_run_and_the_bench_endpoint(exo_node: ExoNode):
+    node_id = exo_node.node_id()
+    exo_node.wait_for_state(lambda s: node_id in s["nodes"], what="node info")
+
+    # The dry run creates nothing, and /place_instance then places exactly that layout.
+    planned = exo_node.get("/instance/placement", params={"model_id": TINY_MODEL_ID})
+    assert planned.status_code == 200, planned.text
+    planned = planned.json()
+    assert planned["shardAssignments"]["modelId"] == TINY_MODEL_ID
+    assert list(planned["shardAssignments"]["nodeToRunner"]) == [node_id]
+    assert exo_node.state()["instances"] == {}
+    too_many = exo_node.get("/instance/placement", params={"model_id": TINY_MODEL_ID, "min_nodes": 2})
+    assert too_many.status_code == 400
+    assert too_many.json()["error"]["code"] == "placement_failed"
+    assert "at least 2 needed" in too_many.json()["error"]["message"]
+
+    instance_id = exo_node.place()
+    [shard] = exo_node.state()["instances"][instance_id]["shardAssignments"]["runnerToShard"].values()
+    [planned_shard] = planned["shardAssignments"]["runnerToShard"].values()
+    assert (shard["startLayer"], shard["endLayer"]) == (planned_shard["startLayer"], planned_shard["endLayer"])
+
+    body = {"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "time me"}], "max_tokens": 8}
+    bench = exo_node.post("/bench/chat/completions", json=body)
+    assert bench.status_code == 200, bench.text
+    result = bench.json()
+    stats = result["generation_stats"]
+    assert stats["generation_tokens"] == result["usage"]["completion_tokens"] > 0
+    assert stats["prompt_tokens"] == result["usage"]["prompt_tokens"] > 0
+    assert stats["prompt_tps"] > 0 and stats["peak_memory_bytes"] > 0
+    assert result["choices"][0]["message"]["role"] == "assistant"
+
+    streamed = exo_node.post("/bench/chat/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"

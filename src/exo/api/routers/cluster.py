@@ -63,6 +63,17 @@ def card_or_404(node: "Node", model_id: str) -> ModelCard:
     return card
 
 
+def planned_instance(
+    node: "Node", model_id: str, sharding: Sharding, min_nodes: int, context_length: int | None
+) -> Instance:
+    """Where placement would put the model now, or a 400 that says why it cannot go."""
+    card = card_or_404(node, model_id)
+    try:
+        return place_instance(node.replica.state, card, sharding, min_nodes, context_length)
+    except PlacementError as error:
+        raise ApiError(400, str(error), code="placement_failed") from error
+
+
 def place_model(
     node: "Node",
     model_id: str,
@@ -70,11 +81,7 @@ def place_model(
     min_nodes: int = 1,
     context_length: int | None = None,
 ) -> CreateInstance:
-    card = card_or_404(node, model_id)
-    try:
-        instance = place_instance(node.replica.state, card, sharding, min_nodes, context_length)
-    except PlacementError as error:
-        raise ApiError(400, str(error), code="placement_failed") from error
+    instance = planned_instance(node, model_id, sharding, min_nodes, context_length)
     command = CreateInstance(instance=instance)
     node.send_command(command)
     return command
@@ -168,6 +175,18 @@ def get_instance_previews(
     reason each rejected option cannot work."""
     node = node_of(request)
     return instance_previews(node.replica.state, card_or_404(node, model_id), sharding, min_nodes, context_length)
+
+
+@router.get("/instance/placement")
+def get_instance_placement(
+    request: Request,
+    model_id: str,
+    sharding: Sharding = Sharding.Pipeline,
+    min_nodes: int = Query(1, ge=1),
+    context_length: int | None = Query(None, ge=1),
+) -> Instance:
+    """The instance /place_instance would create for these arguments, without creating it."""
+    return planned_instance(node_of(request), model_id, sharding, min_nodes, context_length)
 
 
 def _instance_or_404(state: State, instance_id: str) -> Instance:

@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: /v1/models and /v1/chat/completions."""
+"""OpenAI-compatible endpoints: /v1/models and /v1/chat/completions, plus exo's
+/bench/chat/completions."""
 
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,14 +12,15 @@ from exo.api.adapters.chat_completions import (
     completion_body,
     to_task_params,
 )
+from exo.api.errors import ApiError
 from exo.api.generation import generation_error, start_generation, stream_response
 from exo.api.routers.cluster import node_of
 from exo.shared.types.text_generation import ChunkGenerated
 
-router = APIRouter(prefix="/v1")
+router = APIRouter()
 
 
-@router.get("/models")
+@router.get("/v1/models")
 def list_models(request: Request) -> dict[str, Any]:
     cards = node_of(request).cards()
     return {
@@ -42,7 +44,7 @@ def list_models(request: Request) -> dict[str, Any]:
     }
 
 
-@router.post("/chat/completions")
+@router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest):
     generation = await start_generation(request, to_task_params(body), bool(body.stream))
     # POST /v1/cancel/{id} takes this id.
@@ -65,3 +67,12 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
     if chunks[-1].finish_reason == "error":
         raise generation_error(chunks[-1])
     return completion_body(completion_id, body.model, chunks)
+
+
+@router.post("/bench/chat/completions")
+async def bench_chat_completions(request: Request, body: ChatCompletionRequest):
+    """A non-streamed chat completion whose generation_stats (prompt and generation
+    tokens/s, token counts, the runner's peak memory) are always filled: for benchmarks."""
+    if body.stream:
+        raise ApiError(400, "the bench endpoint answers in one piece; send stream: false", param="stream")
+    return await chat_completions(request, body)

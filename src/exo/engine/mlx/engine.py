@@ -4,6 +4,7 @@ picked up between chunks and tokens. The model's text goes through the family's 
 parser, which splits reasoning and tool calls from the answer."""
 
 import json
+import math
 import os
 import random
 import time
@@ -379,18 +380,21 @@ class MlxEngine:
         return chunk.model_copy(update={"usage": self._usage(request), "stats": self._stats(request)})
 
     def _logprob(self, token: int, logprobs: mx.array, top: int) -> TokenLogprob:
+        """A token's log probability and its top alternatives. Extreme sampling settings
+        (a repetition penalty near 0, say) can leave -inf or NaN, which JSON cannot carry;
+        those become -9999.0, OpenAI's own floor for a token that cannot be picked."""
         assert self.tokenizer is not None
         alternatives = []
         if top > 0:
             ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
             ids = ids[mx.argsort(-logprobs[ids])].tolist()
             alternatives = [
-                TopLogprob(token=self.tokenizer.decode([i]), token_id=i, logprob=float(logprobs[i].item())) for i in ids
+                TopLogprob(token=self.tokenizer.decode([i]), token_id=i, logprob=_json_logprob(logprobs[i])) for i in ids
             ]
         return TokenLogprob(
             token=self.tokenizer.decode([token]),
             token_id=token,
-            logprob=float(logprobs[token].item()),
+            logprob=_json_logprob(logprobs[token]),
             top_logprobs=alternatives,
         )
 
@@ -412,6 +416,7 @@ class MlxEngine:
             generation_tps=(request.generated - 1) / decode_seconds if request.generated > 1 else 0.0,
             prompt_tokens=request.prompt_tokens,
             generation_tokens=request.generated,
+            peak_memory_bytes=mx.get_peak_memory(),
         )
 
     @property
@@ -426,3 +431,8 @@ class MlxEngine:
         self.model = None
         self.tokenizer = None
         self.prefix_cache = None
+
+
+def _json_logprob(value: mx.array) -> float:
+    logprob = float(value.item())
+    return logprob if math.isfinite(logprob) else -9999.0

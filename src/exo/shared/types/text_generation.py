@@ -70,6 +70,8 @@ class GenerationStats(FrozenModel):
     generation_tps: float
     prompt_tokens: int
     generation_tokens: int
+    # The most memory MLX held at once in the runner that answered, since it started.
+    peak_memory_bytes: int = 0
 
 
 class ToolCall(FrozenModel):
