@@ -89,3 +89,59 @@ def test_node_still_serves_after_bad_requests(exo_node: ExoNode):
         model=TINY_MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
     assert completion.usage.completion_tokens > 0
+
+
+PIXEL = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+
+
+def test_images_are_refused_in_each_apis_own_error_shape_not_dropped(exo_node: ExoNode):
+    # The engine runs models' text path only: an image must not vanish from the prompt.
+    exo_node.place()
+    image_url = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PIXEL}"}}
+    openai_body = {
+        "model": TINY_MODEL_ID,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image_url]}],
+    }
+    error = assert_openai_error(exo_node.post("/v1/chat/completions", json=openai_body), 400)
+    assert error["code"] == "unsupported_content" and "takes text only" in error["message"]
+
+    claude_image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PIXEL}}
+    claude = exo_node.post(
+        "/v1/messages",
+        json={"model": TINY_MODEL_ID, "max_tokens": 8, "messages": [{"role": "user", "content": [claude_image]}]},
+    )
+    assert claude.status_code == 400
+    assert claude.json()["type"] == "error" and "image_url" in claude.json()["error"]["message"]
+
+    ollama = exo_node.post(
+        "/ollama/api/chat",
+        json={
+            "model": TINY_MODEL_ID,
+            "stream": False,
+            "messages": [{"role": "user", "content": "hi", "images": [PIXEL]}],
+        },
+    )
+    assert ollama.status_code == 400 and "takes text only" in ollama.json()["error"]
+
+    # A card that says it sees images gets told vision is not supported yet, not "text only".
+    card = {
+        "model_id": "custom/seeing",
+        "n_layers": 4,
+        "hidden_size": 256,
+        "tasks": ["TextGeneration"],
+        "capabilities": ["text", "vision"],
+        "storage_size": {"in_bytes": 1000},
+    }
+    assert exo_node.post("/models", json=card).status_code == 200
+    exo_node.wait_for_state(lambda s: "custom/seeing" in s["customModelCards"], what="card added")
+    error = assert_openai_error(
+        exo_node.post("/v1/chat/completions", json={**openai_body, "model": "custom/seeing"}), 400
+    )
+    assert "vision input is not supported yet" in error["message"]
+
+    # Text still works.
+    sdk = openai.OpenAI(base_url=f"{exo_node.url}/v1", api_key="unused", max_retries=0)
+    completion = sdk.chat.completions.create(
+        model=TINY_MODEL_ID, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], max_tokens=4
+    )
+    assert completion.usage.completion_tokens > 0

@@ -139,12 +139,44 @@ def check_token_ids(ids: list[int], tokenizer: "Tokenizer | None") -> None:
         )
 
 
+# Content parts that carry media rather than text, as the adapters pass them on.
+MEDIA_PARTS = {"image_url", "image", "input_image", "input_audio", "audio", "file", "input_file"}
+
+
+def check_text_only(request: Request, params: TextGenerationTaskParams) -> None:
+    """A 400 for images, audio or files: the engine runs models' text path only, and a
+    model answering as if the picture were not there would mislead the user."""
+    media = {
+        part.get("type")
+        for message in params.messages
+        if isinstance(message.content, list)
+        for part in message.content
+        if part.get("type") in MEDIA_PARTS
+    }
+    if not media:
+        return
+    card = node_of(request).cards().get(params.model)
+    takes_images = card is not None and "vision" in card.capabilities
+    reason = (
+        "exo runs only its text path so far; vision input is not supported yet"
+        if takes_images
+        else "the model takes text only"
+    )
+    raise ApiError(
+        400,
+        f"{params.model} cannot read {', '.join(sorted(media))} content: {reason}",
+        code="unsupported_content",
+        param="messages",
+    )
+
+
 async def checked_params(request: Request, params: TextGenerationTaskParams) -> TextGenerationTaskParams:
     """Checks no adapter can make alone, and the ones where the model's tokenizer is local:
     a 400 for a prompt longer than the model's context, and no top_k at or over the
     vocabulary size (it keeps every token anyway, and the sampler refuses it)."""
     if params.prompt is None and not params.messages:
         raise ApiError(400, "the request has no messages to answer", code="invalid_request", param="messages")
+    check_text_only(request, params)
     if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
         raise ApiError(400, f"seed must be between 0 and {MAX_SEED}", code="invalid_request", param="seed")
     tokenizer = local_tokenizer(request, params.model)
