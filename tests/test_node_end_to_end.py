@@ -1,6 +1,10 @@
 """One real exo node, driven over HTTP with the official openai SDK."""
 
+import os
+import subprocess
+import sys
 import time
+from urllib.parse import urlparse
 
 import openai
 import pytest
@@ -283,3 +287,19 @@ def test_placement_dry_run_and_the_bench_endpoint(exo_node: ExoNode):
 
     streamed = exo_node.post("/bench/chat/completions", json={**body, "stream": True})
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+
+
+def test_a_second_node_on_a_busy_api_port_says_so_and_leaves_the_first_alone(exo_node: ExoNode, tmp_path):
+    port = str(urlparse(exo_node.url).port)
+    second = subprocess.run(
+        [sys.executable, "-m", "exo.main", "--api-port", port, "--api-host", "127.0.0.1", "--no-multicast"],
+        env={**os.environ, "EXO_HOME": str(tmp_path / "second")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode != 0
+    assert f"port {port} is already in use" in second.stderr and "--api-port" in second.stderr
+    assert not (tmp_path / "second" / "config" / "node_id").exists()  # it stopped before starting anything
+    state = exo_node.state()
+    assert list(state["nodes"]) in ([], [exo_node.node_id()])

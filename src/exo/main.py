@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -51,8 +52,26 @@ def exo_home() -> Path:
     return Path(os.environ.get("EXO_HOME", Path.home() / ".exo")).expanduser().resolve()
 
 
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As uvicorn binds: a port left in TIME_WAIT by an earlier node is free to take.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # Before anything starts (transport, election, runners): a second node on a busy port
+    # would otherwise join the cluster for a moment and then die with a bind error.
+    if port_in_use(args.api_host, args.api_port):
+        sys.exit(
+            f"exo: port {args.api_port} is already in use (another exo node?); "
+            "give this node its own port with --api-port N"
+        )
     home = exo_home()
     home.mkdir(parents=True, exist_ok=True)
     logger.remove()

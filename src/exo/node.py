@@ -128,7 +128,9 @@ class Node:
         )
         if self.config.place_model:
             self._tasks.append(asyncio.create_task(self._place_on_start(self.config.place_model)))
-        print(f"exo node {self.node_id} serving http://localhost:{self.config.api_port}", flush=True)
+        print(
+            f"exo node {self.node_id} serving http://localhost:{self.config.api_port} (dashboard and API)", flush=True
+        )
         try:
             await server.serve()
         finally:
