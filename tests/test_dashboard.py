@@ -56,7 +56,11 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
     )
 
     given = tmp_path / "dashboard-input.json"
-    given.write_text(json.dumps({"state": state, "previews": previews, "stream": stream}))
+    # The same machine twice under another node id: two nodes on one host share a name.
+    node_id = exo_node.node_id()
+    twin_id = "0123abcd" + node_id[8:]
+    twin_state = {**state, "nodes": {**state["nodes"], twin_id: {**state["nodes"][node_id], "nodeId": twin_id}}}
+    given.write_text(json.dumps({"state": state, "twinState": twin_state, "previews": previews, "stream": stream}))
     shown = json.loads(
         subprocess.run(
             ["node", str(VIEW_CHECK), str(given), str(DASHBOARD / "view.mjs")],
@@ -66,12 +70,14 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
         ).stdout
     )
 
-    node_id = exo_node.node_id()
     [node] = shown["nodes"]
     assert node["nodeId"] == node_id and node["isMaster"]
     assert node["memoryTotal"] == state["nodes"][node_id]["memory"]["totalBytes"] > 0
     assert 0 <= node["memoryPercent"] <= 100
     assert shown["links"] == []
+    name = state["nodes"][node_id]["friendlyName"]
+    assert node["name"] == name
+    assert sorted(n["name"] for n in shown["twinNodes"]) == sorted([f"{name} ({node_id[:8]})", f"{name} (0123abcd)"])
 
     [instance] = shown["instances"]
     assert instance["instanceId"] == instance_id and instance["modelId"] == TINY_MODEL_ID

@@ -5,7 +5,7 @@ import { pathToFileURL } from "node:url";
 
 const [inputPath, viewPath] = process.argv.slice(2);
 const view = await import(pathToFileURL(viewPath).href);
-const { state, previews, stream } = JSON.parse(readFileSync(inputPath, "utf8"));
+const { state, twinState, previews, stream } = JSON.parse(readFileSync(inputPath, "utf8"));
 
 // Feed the stream in small pieces, as a browser's reader hands it over.
 let reply = {};
@@ -19,6 +19,7 @@ for (let i = 0; i < stream.length; i += 7) {
 console.log(
   JSON.stringify({
     nodes: view.nodeRows(state),
+    twinNodes: view.nodeRows(twinState),
     links: view.linkRows(state),
     instances: view.instanceRows(state),
     serving: view.servingModels(state),

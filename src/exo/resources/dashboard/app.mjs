@@ -5,6 +5,7 @@ import {
   formatBytes,
   instanceRows,
   linkRows,
+  nodeName,
   nodeRows,
   parseSse,
   previewRows,
@@ -140,7 +141,7 @@ function fillSelect(select, values) {
 }
 
 function render() {
-  const master = state.masterNodeId ? state.nodes[state.masterNodeId]?.friendlyName ?? shortId(state.masterNodeId) : "none";
+  const master = state.masterNodeId ? nodeName(state, state.masterNodeId) : "none";
   $("cluster-summary").textContent =
     `${Object.keys(state.nodes).length} node(s) · master ${master} · event ${state.lastEventAppliedIdx}`;
   renderNodes();

@@ -17,9 +17,13 @@ export function formatBytes(bytes) {
   return `${value.toFixed(unit === 0 ? 0 : 1)} ${units[unit]}`;
 }
 
-function nodeName(state, nodeId) {
+// A node's friendly name, with its short id when another node has the same name (two
+// nodes on one machine, or two laptops both called "MacBook Pro").
+export function nodeName(state, nodeId) {
   const info = state.nodes[nodeId];
-  return info ? info.friendlyName : shortId(nodeId);
+  if (!info) return shortId(nodeId);
+  const namesakes = Object.values(state.nodes).filter((other) => other.friendlyName === info.friendlyName);
+  return namesakes.length > 1 ? `${info.friendlyName} (${shortId(nodeId)})` : info.friendlyName;
 }
 
 // One row per node: who it is, whether it is the master, and how full its memory is.
@@ -30,7 +34,7 @@ export function nodeRows(state) {
       const used = total - info.memory.availableBytes;
       return {
         nodeId: info.nodeId,
-        name: info.friendlyName,
+        name: nodeName(state, info.nodeId),
         isMaster: info.nodeId === state.masterNodeId,
         backend: info.backend,
         cpuCount: info.cpuCount,
