@@ -14,7 +14,15 @@ import pytest
 from exo.devtools.tiny_models import make_tiny_llama
 from exo.shared.models.model_cards import find_local_model_dir, is_complete_model_dir, local_cards
 from exo.worker import download
-from exo.worker.download import DownloadError, download_model, wanted_file
+from exo.worker.download import (
+    DownloadError,
+    HubUnreachable,
+    InvalidModelId,
+    ModelNotOnHub,
+    download_model,
+    fetch_card,
+    wanted_file,
+)
 from fake_hub import FakeHub
 from fake_hub import fake_hub as fake_hub  # noqa: F401  (a fixture)
 
@@ -315,6 +323,28 @@ def test_existing_incomplete_dir_is_not_overwritten(fake_hub: FakeHub, tmp_path:
     assert (tmp_path / "models" / "acme--tiny" / "notes.txt").read_text() == "mine"
 
 
+def test_a_card_is_read_from_the_hub_without_the_weights(fake_hub: FakeHub, tmp_path: Path) -> None:
+    endpoint, root = fake_hub
+    big = 3 * MB
+    make_sharded_model(root / "acme--sharded", big_shard_bytes=big)
+    card = fetch_card("acme/sharded", endpoint=endpoint)
+    config = json.loads((root / "acme--sharded" / "config.json").read_text())
+    assert card.model_id == "acme/sharded" and card.n_layers == config["num_hidden_layers"]
+    # Only the shards the index names count, not the consolidated copy beside them.
+    index = json.loads((root / "acme--sharded" / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert card.storage_size.in_bytes == sum((root / "acme--sharded" / name).stat().st_size for name in shards)
+    fetched = [Path(path).name for method, path in fake_hub.requests if method == "GET" and "/resolve/" in path]
+    assert sorted(fetched) == ["config.json", "model.safetensors.index.json"]
+
+    with pytest.raises(ModelNotOnHub, match="was not found"):
+        fetch_card("acme/absent", endpoint=endpoint)
+    with pytest.raises(InvalidModelId):
+        fetch_card("../etc", endpoint=endpoint)
+    with pytest.raises(HubUnreachable, match="could not reach"):
+        fetch_card("acme/sharded", endpoint=f"http://127.0.0.1:{closed_port()}")
+
+
 def test_a_node_downloads_a_placed_model_with_progress_then_serves_it(fake_hub: FakeHub, tmp_path: Path) -> None:
     import shutil
 
@@ -324,20 +354,30 @@ def test_a_node_downloads_a_placed_model_with_progress_then_serves_it(fake_hub: 
 
     endpoint, root = fake_hub
     make_tiny_llama(root / "acme--from-hub")
-    card = {
-        "model_id": "acme/from-hub",
-        "n_layers": 2,
-        "hidden_size": 64,
-        "num_key_value_heads": 2,
-        "tasks": ["TextGeneration"],
-        "context_length": 4096,
-        "storage_size": {"in_bytes": 500000},
-    }
     # The node process gets the fake hub as its hub, and nothing else to reach.
     node = start_node(tmp_path / "home", {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"})
     try:
-        assert node.post("/models", json=card).status_code == 200
+        # The card comes from the hub's config.json and file list; no weights move yet.
+        added = node.post("/models/add", json={"model_id": "acme/from-hub"})
+        assert added.status_code == 200, added.text
+        card = added.json()
+        config = json.loads((root / "acme--from-hub" / "config.json").read_text())
+        assert (card["n_layers"], card["hidden_size"]) == (config["num_hidden_layers"], config["hidden_size"])
+        assert card["storage_size"]["in_bytes"] == (root / "acme--from-hub" / "model.safetensors").stat().st_size
+        assert not any("/resolve/main/model.safetensors" in path for _, path in fake_hub.requests)
         node.wait_for_state(lambda s: "acme/from-hub" in s["customModelCards"], what="custom card")
+        assert "acme/from-hub" in [m["id"] for m in node.get("/v1/models").json()["data"]]
+        for model_id, status, code in (
+            ("acme/not-there", 404, "model_not_found"),
+            ("not a model id", 400, "invalid_model_id"),
+        ):
+            response = node.post("/models/add", json={"model_id": model_id})
+            assert response.status_code == status and response.json()["error"]["code"] == code, response.text
+        # A model with a card already gets that card back, from no hub.
+        fake_hub.requests.clear()
+        assert node.post("/models/add", json={"model_id": "exo/demo-chat"}).json()["model_id"] == "exo/demo-chat"
+        assert fake_hub.requests == []
+
         node.place("acme/from-hub", timeout=120)
         kinds = [
             e["event"]["progress"]["kind"]
@@ -381,6 +421,8 @@ def test_an_offline_node_reports_a_missing_model_instead_of_downloading(fake_hub
         instance_id = node.post("/place_instance", json={"model_id": "acme/from-hub"}).json()["instance_id"]
         state = node.wait_for_state(lambda s: instance_id in s["instanceDeletions"], timeout=30, what="given up")
         assert "offline" in state["instanceDeletions"][instance_id]
+        refused = node.post("/models/add", json={"model_id": "acme/other"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "offline"
         assert fake_hub.requests == []
     finally:
         stop_node(node)

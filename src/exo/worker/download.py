@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 from collections import deque
@@ -36,7 +37,7 @@ from typing import Any, TypeVar
 
 from loguru import logger
 
-from exo.shared.models.model_cards import is_complete_model_dir, model_dir_name
+from exo.shared.models.model_cards import ModelCard, card_from_config, is_complete_model_dir, model_dir_name
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 POLL_SECONDS = 0.5
@@ -67,6 +68,18 @@ class DownloadError(Exception):
     """A model download failed; the message says why, for the user."""
 
 
+class InvalidModelId(DownloadError):
+    """The id is not of the form org/name."""
+
+
+class ModelNotOnHub(DownloadError):
+    """The hub has no such model (or none this node may read)."""
+
+
+class HubUnreachable(DownloadError):
+    """The hub did not answer."""
+
+
 def hub_endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 
@@ -86,7 +99,7 @@ _MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 def _check_model_id(model_id: str) -> None:
     if not _MODEL_ID.fullmatch(model_id) or ".." in model_id or "--" in model_id:
-        raise DownloadError(f"{model_id!r} is not a hub model id of the form org/name")
+        raise InvalidModelId(f"{model_id!r} is not a hub model id of the form org/name")
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,11 +156,11 @@ def _as_download_error(
     if isinstance(error, _hf_error("OfflineModeIsEnabled")):
         return DownloadError(f"cannot download model {model_id}: huggingface_hub offline mode is on (HF_HUB_OFFLINE)")
     if isinstance(error, _hf_error("GatedRepoError")):
-        return DownloadError(
+        return ModelNotOnHub(
             f"model {model_id} on {endpoint} is gated: accept its license on the hub and set HF_TOKEN on this node"
         )
     if isinstance(error, _hf_error("RepositoryNotFoundError")):
-        return DownloadError(f"model {model_id} was not found on {endpoint}")
+        return ModelNotOnHub(f"model {model_id} was not found on {endpoint}")
     if isinstance(error, _hf_error("RevisionNotFoundError")):
         return DownloadError(f"model {model_id} has no such revision on {endpoint}")
     if isinstance(error, _hf_error("LocalEntryNotFoundError")):
@@ -155,7 +168,7 @@ def _as_download_error(
         cause = error.__cause__ or error.__context__
         network = _root_network_error(error)
         reason = _describe(network or cause or error)
-        return DownloadError(f"could not reach {endpoint}: {reason}{of_file}")
+        return HubUnreachable(f"could not reach {endpoint}: {reason}{of_file}")
     if isinstance(error, _hf_error("RemoteEntryNotFoundError")) or isinstance(error, _hf_error("EntryNotFoundError")):
         return DownloadError(f"file {filename} of model {model_id} was not found on {endpoint}")
     if isinstance(error, _hf_error("FileMetadataError")):
@@ -170,7 +183,7 @@ def _as_download_error(
             return DownloadError(
                 f"lost connection to {endpoint} while downloading {model_id}{of_file}: {_describe(network)}"
             )
-        return DownloadError(f"could not reach {endpoint}: {_describe(network)}")
+        return HubUnreachable(f"could not reach {endpoint}: {_describe(network)}")
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
         return DownloadError(f"disk full while downloading model {model_id} into {local_dir}{of_file}")
     if isinstance(error, OSError):
@@ -378,6 +391,37 @@ def _finish(partial_dir: Path, final_dir: Path, files: list[RepoFile], model_id:
         raise DownloadError(f"could not move the downloaded model {model_id} to {final_dir}: {error}") from error
     with contextlib.suppress(OSError):
         partial_dir.parent.rmdir()  # only if no other download is in progress
+
+
+def fetch_card(model_id: str, endpoint: str | None = None) -> ModelCard:
+    """A card for a hub model, read from its config.json and the weight sizes the hub
+    lists, without downloading the weights. Blocking; raises DownloadError (or one of its
+    kinds) with a message for the user."""
+    endpoint = (endpoint or hub_endpoint()).rstrip("/")
+    _check_model_id(model_id)
+    filename: str | None = None
+    with tempfile.TemporaryDirectory(prefix="exo-card-") as scratch:
+        try:
+            revision, listed = _list_repo(model_id, endpoint)
+            names = {file.name for file in listed}
+            if "config.json" not in names:
+                raise DownloadError(f"model {model_id} on {endpoint} has no config.json, so exo cannot run it")
+            for filename in ("config.json", INDEX_FILE):
+                if filename in names:
+                    _fetch_file(model_id, filename, revision, Path(scratch), endpoint, threading.Event())
+            filename = None
+            weights = _select_weights([f for f in listed if wanted_file(f.name)], Path(scratch), model_id)
+            config = json.loads((Path(scratch) / "config.json").read_text())
+            weight_bytes = sum(file.size or 0 for file in weights if file.name.endswith(".safetensors"))
+            return card_from_config(config, model_id, weight_bytes)
+        except DownloadError:
+            raise
+        except ValueError as error:  # a config.json that is not JSON, or not a language model's
+            raise DownloadError(f"model {model_id}'s config.json cannot be read as a model: {error}") from error
+        except Exception as error:
+            raise _as_download_error(
+                error, model_id=model_id, endpoint=endpoint, filename=filename, local_dir=Path(scratch)
+            ) from error
 
 
 async def download_model(

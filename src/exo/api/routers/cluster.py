@@ -22,6 +22,7 @@ from exo.shared.types.common import InstanceId, ModelId
 from exo.shared.types.instances import Instance, InstanceMeta, Sharding
 from exo.shared.types.runners import SERVING_STATUSES, RunnerFailed
 from exo.shared.types.state import State
+from exo.worker.download import DownloadError, HubUnreachable, InvalidModelId, ModelNotOnHub, fetch_card
 
 if TYPE_CHECKING:
     from exo.node import Node
@@ -121,6 +122,41 @@ def add_custom_model_card(request: Request, card: ModelCard) -> CommandResponse:
     command = AddCustomModelCard(card=card)
     node.send_command(command)
     return CommandResponse(message=f"adding card {card.model_id}", command_id=command.command_id)
+
+
+class AddModelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_id: str = Field(description="a Hugging Face hub id, org/name")
+
+
+@router.post("/models/add")
+async def add_model_from_hub(request: Request, body: AddModelRequest) -> ModelCard:
+    """A card for any hub model, derived from its config.json and the weight sizes the hub
+    lists (the weights download when the model is placed). A model that already has a
+    card gets that card back."""
+    node = node_of(request)
+    known = node.cards().get(body.model_id)
+    if known is not None:
+        return known
+    if node.config.offline:
+        raise ApiError(
+            400,
+            "this node is offline (--offline): put the model in a models dir, or add its card with POST /models",
+            code="offline",
+            param="model_id",
+        )
+    try:
+        card = await asyncio.to_thread(fetch_card, body.model_id)
+    except InvalidModelId as error:
+        raise ApiError(400, str(error), code="invalid_model_id", param="model_id") from error
+    except ModelNotOnHub as error:
+        raise ApiError(404, str(error), code="model_not_found", param="model_id") from error
+    except HubUnreachable as error:
+        raise ApiError(502, str(error), code="hub_unreachable") from error
+    except DownloadError as error:
+        raise ApiError(422, str(error), code="unusable_model", param="model_id") from error
+    node.send_command(AddCustomModelCard(card=card))
+    return card
 
 
 @router.delete("/models/{model_id:path}")

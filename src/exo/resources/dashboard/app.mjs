@@ -216,6 +216,29 @@ async function place(event) {
   $("place-message").textContent = response.ok ? (await response.json()).message : await apiError(response);
 }
 
+async function addFromHub(event) {
+  event.preventDefault();
+  const modelId = $("add-model").value.trim();
+  $("place-message").textContent = `reading ${modelId} from the hub…`;
+  const response = await fetch("/models/add", {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ model_id: modelId }),
+  });
+  if (!response.ok) {
+    $("place-message").textContent = await apiError(response);
+    return;
+  }
+  const card = await response.json();
+  $("place-message").textContent = `added ${card.model_id}: ${card.n_layers} layers, ${formatBytes(card.storage_size.in_bytes)}`;
+  // The card reaches this node's State a moment after the command; wait to select it.
+  for (let tries = 0; tries < 20 && !models.some((m) => m.id === card.model_id); tries += 1) {
+    await new Promise((resolve) => setTimeout(resolve, 250));
+    await loadModels();
+  }
+  $("place-model").value = card.model_id;
+}
+
 function renderReply(box, reply) {
   const parts = [];
   if (reply.prefill && !reply.content && !reply.reasoning) {
@@ -288,6 +311,7 @@ async function sendChat(event) {
 
 $("preview-button").addEventListener("click", showPreviews);
 $("place-form").addEventListener("submit", place);
+$("add-form").addEventListener("submit", addFromHub);
 $("chat-form").addEventListener("submit", sendChat);
 $("stop-button").addEventListener("click", () => chatAbort?.abort());
 $("chat-input").addEventListener("keydown", (event) => {

@@ -237,16 +237,25 @@ def kv_sharing_tail_start(config: dict) -> int | None:
 def card_from_model_dir(model_dir: Path, model_id: str) -> ModelCard:
     """A card derived from config.json alone, for models exo has no built-in card for."""
     config = json.loads((model_dir / "config.json").read_text())
+    weight_bytes = sum(path.stat().st_size for path in _weight_files(model_dir) or [])
+    try:
+        return card_from_config(config, model_id, weight_bytes)
+    except ValueError as error:
+        raise ValueError(f"{model_dir / 'config.json'}: {error}") from error
+
+
+def card_from_config(config: dict, model_id: str, weight_bytes: int) -> ModelCard:
+    """A card from a model's config.json and the size of its weights (on disk, or as the
+    hub lists them)."""
     n_layers = _config_value(config, "num_hidden_layers")
     hidden_size = _config_value(config, "hidden_size")
     if n_layers is None or hidden_size is None:
-        raise ValueError(f"{model_dir / 'config.json'} has no num_hidden_layers or hidden_size")
+        raise ValueError("config.json has no num_hidden_layers or hidden_size")
     # Configs without num_key_value_heads use plain multi-head attention.
     kv_heads = _config_value(config, "num_key_value_heads") or _config_value(config, "num_attention_heads")
     quantization = config.get("quantization") or config.get("quantization_config") or {}
     bits = quantization.get("bits")
     capabilities = ["text", "vision"] if "vision_config" in config else ["text"]
-    weight_bytes = sum(path.stat().st_size for path in _weight_files(model_dir) or [])
     model_type = config.get("model_type", "")
     return ModelCard(
         model_id=model_id,
