@@ -145,3 +145,26 @@ def test_images_are_refused_in_each_apis_own_error_shape_not_dropped(exo_node: E
         model=TINY_MODEL_ID, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], max_tokens=4
     )
     assert completion.usage.completion_tokens > 0
+
+
+def test_a_hand_built_instance_that_cannot_run_is_a_400_and_creates_nothing(exo_node: ExoNode):
+    node_id = exo_node.node_id()
+    exo_node.wait_for_state(lambda s: node_id in s["nodes"], what="node info")
+    planned = exo_node.get("/instance/placement", params={"model_id": TINY_MODEL_ID}).json()
+    [runner] = planned["shardAssignments"]["nodeToRunner"].values()
+
+    ghost = {**planned, "shardAssignments": {**planned["shardAssignments"], "nodeToRunner": {"ghost": runner}}}
+    error = assert_openai_error(exo_node.post("/instance", json={"instance": ghost}), 400)
+    assert error["code"] == "invalid_instance" and "ghost are not in the cluster" in error["message"]
+
+    shards = {
+        runner_id: {**shard, "nLayers": 60, "endLayer": 60}
+        for runner_id, shard in planned["shardAssignments"]["runnerToShard"].items()
+    }
+    too_deep = {**planned, "shardAssignments": {**planned["shardAssignments"], "runnerToShard": shards}}
+    error = assert_openai_error(exo_node.post("/instance", json={"instance": too_deep}), 400)
+    assert "layers, but the shards say 60" in error["message"]
+
+    assert exo_node.state()["instances"] == {}
+    assert exo_node.post("/instance", json={"instance": planned}).status_code == 200
+    exo_node.wait_for_state(lambda s: planned["instanceId"] in s["instances"], what="the valid one created")

@@ -8,11 +8,7 @@ import uuid
 import httpx
 
 from cluster import loopback_cluster, wait_converged
-from conftest import TINY_MODEL_ID, ExoNode
-
-# Instances are placed on this node, which no cluster has: no worker starts runners for
-# them, so creating and deleting one costs the cluster an event each and nothing more.
-GHOST_NODE = "ghost-node-not-in-any-cluster"
+from conftest import ExoNode
 
 
 def models_env(tiny_models_dir) -> dict[str, str]:
@@ -37,25 +33,13 @@ def test_three_nodes_joined_by_bootstrap_peers_converge(tmp_path, tiny_models_di
         assert states[1] == states[0] and states[2] == states[0]
 
 
-def ghost_instance(card: dict) -> dict:
-    runner_id = str(uuid.uuid4())
-    shard = {
-        "kind": "pipeline",
-        "modelCard": card,
-        "deviceRank": 0,
-        "worldSize": 1,
-        "startLayer": 0,
-        "endLayer": card["n_layers"],
-        "nLayers": card["n_layers"],
-    }
+def made_up_card() -> dict:
     return {
-        "instanceId": str(uuid.uuid4()),
-        "sharding": "Pipeline",
-        "shardAssignments": {
-            "modelId": card["model_id"],
-            "runnerToShard": {runner_id: shard},
-            "nodeToRunner": {GHOST_NODE: runner_id},
-        },
+        "model_id": f"history/{uuid.uuid4().hex[:12]}",
+        "n_layers": 4,
+        "hidden_size": 256,
+        "tasks": ["TextGeneration"],
+        "storage_size": {"in_bytes": 1000},
     }
 
 
@@ -65,27 +49,29 @@ def wait_all(nodes: list[ExoNode], condition, what: str, timeout: float = 20) ->
 
 
 def emit_events(nodes: list[ExoNode], at_least: int, batch: int = 25, kept: int = 3) -> None:
-    """Create and delete ghost instances through every node's API in turn until the
-    cluster's history holds at_least events, then create `kept` more that stay."""
-    card = next(c for c in nodes[0].get("/models").json() if c["model_id"] == TINY_MODEL_ID)
+    """Add and delete custom model cards through every node's API in turn until the
+    cluster's history holds at_least events (an event each, and nothing else to do), then
+    add `kept` more that stay."""
     clients = [httpx.Client(base_url=node.url, timeout=30) for node in nodes]
     try:
         while nodes[0].state()["lastEventAppliedIdx"] < at_least:
-            instances = [ghost_instance(card) for _ in range(batch)]
-            for k, instance in enumerate(instances):
-                response = clients[k % len(clients)].post("/instance", json={"instance": instance})
+            ids = []
+            for k in range(batch):
+                card = made_up_card()
+                response = clients[k % len(clients)].post("/models", json=card)
                 assert response.status_code == 200, response.text
-            ids = {i["instanceId"] for i in instances}
-            wait_all(nodes, lambda s, ids=ids: ids <= set(s["instances"]), "ghost instances created")
-            for k, instance_id in enumerate(ids):
-                response = clients[k % len(clients)].delete(f"/instance/{instance_id}")
+                ids.append(card["model_id"])
+            wait_all(nodes, lambda s, ids=ids: set(ids) <= set(s["customModelCards"]), "cards added")
+            for k, model_id in enumerate(ids):
+                response = clients[k % len(clients)].delete(f"/models/{model_id}")
                 assert response.status_code == 200, response.text
-            wait_all(nodes, lambda s, ids=ids: not ids & set(s["instances"]), "ghost instances deleted")
-        instances = [ghost_instance(card) for _ in range(kept)]
-        for instance in instances:
-            assert clients[0].post("/instance", json={"instance": instance}).status_code == 200
-        ids = {i["instanceId"] for i in instances}
-        wait_all(nodes, lambda s: ids <= set(s["instances"]), "kept ghost instances created")
+            wait_all(nodes, lambda s, ids=ids: not set(ids) & set(s["customModelCards"]), "cards deleted")
+        ids = []
+        for _ in range(kept):
+            card = made_up_card()
+            assert clients[0].post("/models", json=card).status_code == 200
+            ids.append(card["model_id"])
+        wait_all(nodes, lambda s: set(ids) <= set(s["customModelCards"]), "kept cards added")
     finally:
         for client in clients:
             client.close()
@@ -98,9 +84,12 @@ def test_a_node_started_after_200_events_catches_up_to_the_same_state(tmp_path, 
         started = time.monotonic()
         emit_events(list(nodes), at_least=200)
         print(f"emitted {nodes[0].state()['lastEventAppliedIdx']} events in {time.monotonic() - started:.1f}s")
+        # And one real instance, with its runner's whole life in the history too.
+        instance_id = nodes[1].place()
         before = wait_converged(nodes)
         assert before[0]["lastEventAppliedIdx"] >= 200
-        assert len(before[0]["instances"]) == 3
+        assert len(before[0]["customModelCards"]) == 3
+        assert list(before[0]["instances"]) == [instance_id]
 
         assert not (tmp_path / "node2").exists()  # the late node starts with no history at all
         late = nodes.add_node()
@@ -110,6 +99,7 @@ def test_a_node_started_after_200_events_catches_up_to_the_same_state(tmp_path, 
         first, *others = states
         for state in others:
             assert state["instances"] == first["instances"]
+            assert state["customModelCards"] == first["customModelCards"]
             assert set(state["nodes"]) == set(first["nodes"])
             assert state["lastEventAppliedIdx"] == first["lastEventAppliedIdx"]
             assert state["masterNodeId"] == first["masterNodeId"]

@@ -12,6 +12,7 @@ from exo.master.placement import (
     RUNTIME_OVERHEAD_BYTES,
     PlacementError,
     instance_previews,
+    instance_problem,
     kv_cache_bytes,
     place_instance,
     split_layers,
@@ -686,3 +687,54 @@ def test_a_later_placement_does_not_reuse_the_ports_of_one_just_deleted():
     # Same cluster a few events later (the first instance came and went).
     later = place_instance(state.model_copy(update={"last_event_applied_idx": 12}), card).hosts
     assert set(first).isdisjoint(later)
+
+
+# --- instances built by hand (POST /instance) ----------------------------------------------
+
+
+def with_shards(instance: Instance, **changes_by_rank: dict) -> Instance:
+    """The instance with fields of rank r's shard replaced, as changes_by_rank[f"r{r}"]."""
+    shards = {
+        runner: shard.model_copy(update=changes_by_rank.get(f"r{shard.device_rank}", {}))
+        for runner, shard in instance.shard_assignments.runner_to_shard.items()
+    }
+    assignments = instance.shard_assignments.model_copy(update={"runner_to_shard": shards})
+    return instance.model_copy(update={"shard_assignments": assignments})
+
+
+def test_placements_own_instances_have_no_problem():
+    state = fully_linked(a=64, b=64, c=64, d=64)
+    for sharding in (Sharding.Pipeline, Sharding.Tensor):
+        instance = place_instance(state, make_card(), sharding, min_nodes=4)
+        assert instance_problem(state, instance) is None
+
+
+def test_hand_built_instances_that_cannot_run_are_explained():
+    state = fully_linked(a=64, b=64)
+    pipeline = place_instance(state, make_card(n_layers=24), Sharding.Pipeline, min_nodes=2)
+    tensor = place_instance(state, make_card(), Sharding.Tensor, min_nodes=2)
+    assignments = pipeline.shard_assignments
+    [(first_node, first_runner), (second_node, second_runner)] = assignments.node_to_runner.items()
+
+    ghost = assignments.model_copy(
+        update={"node_to_runner": {NodeId("ghost"): first_runner, second_node: second_runner}}
+    )
+    assert "ghost are not in the cluster" in instance_problem(
+        state, pipeline.model_copy(update={"shard_assignments": ghost})
+    )
+
+    one_node = assignments.model_copy(update={"node_to_runner": {first_node: first_runner}})
+    assert "exactly one node" in instance_problem(state, pipeline.model_copy(update={"shard_assignments": one_node}))
+
+    in_state = state.model_copy(update={"instances": {pipeline.instance_id: pipeline}})
+    copy = pipeline.model_copy(update={"instance_id": InstanceId("another")})
+    assert "belong to another instance" in instance_problem(in_state, copy)
+
+    end = shards_by_rank(pipeline)[0].end_layer
+    gap = with_shards(pipeline, r1={"start_layer": end + 1})
+    assert "without gaps or overlaps" in instance_problem(state, gap)
+    short = with_shards(pipeline, r1={"end_layer": 23})
+    assert "without gaps or overlaps" in instance_problem(state, short)
+    assert "every rank all 24 layers" in instance_problem(state, with_shards(tensor, r1={"start_layer": 1}))
+    assert "ranks must be 0..1" in instance_problem(state, with_shards(pipeline, r1={"world_size": 3}))
+    assert "one host:port per rank" in instance_problem(state, pipeline.model_copy(update={"hosts": []}))

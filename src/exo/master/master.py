@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from loguru import logger
 
-from exo.master.placement import PlacementError, place_instance
+from exo.master.placement import PlacementError, instance_problem, place_instance
 from exo.routing.router import Router, Topic
 from exo.shared.replica import StateReplica
 from exo.shared.types.commands import (
@@ -148,8 +148,11 @@ class Master:
 
     def handle_command(self, command: Command) -> None:
         match command:
-            case CreateInstance(instance=instance):
-                if instance.instance_id not in self.state.instances:
+            case CreateInstance(instance=instance) if instance.instance_id not in self.state.instances:
+                # The API checked it against its node's State; the master's may be newer.
+                if (problem := instance_problem(self.state, instance)) is not None:
+                    logger.warning(f"not creating instance {instance.instance_id}: {problem}")
+                else:
                     self.emit(InstanceCreated(instance=instance))
             case DeleteInstance(instance_id=instance_id, reason=reason):
                 self._delete_instance(instance_id, reason)

@@ -429,3 +429,38 @@ def _build_instance(
         ),
         hosts=hosts,
     )
+
+
+# --- instances made elsewhere ------------------------------------------------------------
+
+
+def instance_problem(state: State, instance: Instance) -> str | None:
+    """Why an instance a client built by hand (POST /instance) cannot run in this cluster,
+    or None. Placement's own instances always pass."""
+    assignments = instance.shard_assignments
+    runners = set(assignments.runner_to_shard)
+    if sorted(assignments.node_to_runner.values()) != sorted(runners):
+        return "node_to_runner must give each runner of runner_to_shard to exactly one node"
+    missing = [node_id for node_id in assignments.node_to_runner if node_id not in state.nodes]
+    if missing:
+        return f"node(s) {', '.join(missing)} are not in the cluster"
+    taken = runners & {r for other in state.instances.values() for r in other.shard_assignments.runner_to_shard}
+    if taken:
+        return f"runner id(s) {', '.join(sorted(taken))} belong to another instance"
+    shards = sorted(assignments.runner_to_shard.values(), key=lambda shard: shard.device_rank)
+    n_layers = shards[0].n_layers
+    if [shard.device_rank for shard in shards] != list(range(len(shards))) or any(
+        shard.world_size != len(shards) for shard in shards
+    ):
+        return f"ranks must be 0..{len(shards) - 1}, each with world_size {len(shards)}"
+    if any(shard.n_layers != n_layers or shard.model_card.model_id != assignments.model_id for shard in shards):
+        return "every shard must hold the instance's model with the same n_layers"
+    ranges = [(shard.start_layer, shard.end_layer) for shard in shards]
+    if instance.sharding == Sharding.Tensor:
+        if any(r != (0, n_layers) for r in ranges):
+            return f"a tensor instance gives every rank all {n_layers} layers"
+    elif [start for start, _ in ranges] != [0, *(end for _, end in ranges[:-1])] or ranges[-1][1] != n_layers:
+        return f"pipeline ranks must cover layers 0..{n_layers - 1} in order, without gaps or overlaps"
+    if len(shards) > 1 and len(instance.hosts) != len(shards):
+        return f"a {len(shards)}-rank instance needs one host:port per rank in hosts"
+    return None

@@ -14,6 +14,7 @@ from exo.master.placement import (
     PlacementError,
     PlacementPreview,
     instance_previews,
+    instance_problem,
     place_instance,
 )
 from exo.shared.models.model_cards import ModelCard
@@ -189,9 +190,16 @@ def post_place_instance(request: Request, body: PlaceInstanceRequest) -> Instanc
 @router.post("/instance")
 def post_instance(request: Request, body: CreateInstanceRequest) -> InstanceCommandResponse:
     node = node_of(request)
-    card_or_404(node, body.instance.model_id)
-    if body.instance.instance_id in node.replica.state.instances:
+    card = card_or_404(node, body.instance.model_id)
+    state = node.replica.state
+    if body.instance.instance_id in state.instances:
         raise ApiError(409, f"instance {body.instance.instance_id} already exists", code="instance_exists")
+    problem = instance_problem(state, body.instance)
+    shard = next(iter(body.instance.shard_assignments.runner_to_shard.values()))
+    if problem is None and shard.n_layers != card.n_layers:
+        problem = f"{card.model_id} has {card.n_layers} layers, but the shards say {shard.n_layers}"
+    if problem is not None:
+        raise ApiError(400, f"cannot create this instance: {problem}", code="invalid_instance", param="instance")
     command = CreateInstance(instance=body.instance)
     node.send_command(command)
     return InstanceCommandResponse(
