@@ -60,6 +60,11 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
     node_id = exo_node.node_id()
     twin_id = "0123abcd" + node_id[8:]
     twin_state = {**state, "nodes": {**state["nodes"], twin_id: {**state["nodes"][node_id], "nodeId": twin_id}}}
+    links = [
+        {"source": node_id, "sink": twin_id, "sinkIp": "10.0.0.2", "latencyMs": 1.5, "bandwidthMbps": 900.0},
+        {"source": twin_id, "sink": node_id, "sinkIp": "10.0.0.1", "latencyMs": 2.25, "bandwidthMbps": 800.0},
+    ]
+    twin_state["topology"] = {"connections": links}
     given.write_text(json.dumps({"state": state, "twinState": twin_state, "previews": previews, "stream": stream}))
     shown = json.loads(
         subprocess.run(
@@ -78,6 +83,12 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
     name = state["nodes"][node_id]["friendlyName"]
     assert node["name"] == name
     assert sorted(n["name"] for n in shown["twinNodes"]) == sorted([f"{name} ({node_id[:8]})", f"{name} (0123abcd)"])
+    topology = shown["twinTopology"]
+    master = next(n for n in topology["nodes"] if n["isMaster"])
+    assert master["nodeId"] == node_id and master["y"] < 150  # the master is drawn at the top
+    # Two directed links make one line, labelled with the slower direction.
+    [edge] = topology["edges"]
+    assert edge["bothWays"] and edge["label"] == "2.3 ms"
 
     [instance] = shown["instances"]
     assert instance["instanceId"] == instance_id and instance["modelId"] == TINY_MODEL_ID

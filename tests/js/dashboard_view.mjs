@@ -20,6 +20,7 @@ console.log(
   JSON.stringify({
     nodes: view.nodeRows(state),
     twinNodes: view.nodeRows(twinState),
+    twinTopology: view.topologyLayout(twinState, 300),
     links: view.linkRows(state),
     instances: view.instanceRows(state),
     serving: view.servingModels(state),

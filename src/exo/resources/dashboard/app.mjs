@@ -11,6 +11,7 @@ import {
   previewRows,
   servingModels,
   shortId,
+  topologyLayout,
 } from "./view.mjs";
 
 const $ = (id) => document.getElementById(id);
@@ -48,7 +49,36 @@ async function apiError(response) {
   }
 }
 
+const SVG = "http://www.w3.org/2000/svg";
+
+function svg(tag, attrs, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function renderTopology() {
+  const { size, nodes, edges } = topologyLayout(state);
+  const parts = [];
+  for (const edge of edges) {
+    // A link seen one way only cannot carry an MLX ring: dashed.
+    parts.push(svg("line", { ...edge, class: edge.bothWays ? "link" : "link one-way" }));
+    if (edge.label) {
+      parts.push(svg("text", { x: (edge.x1 + edge.x2) / 2, y: (edge.y1 + edge.y2) / 2 - 4, class: "link-label" }, edge.label));
+    }
+  }
+  for (const node of nodes) {
+    parts.push(svg("circle", { cx: node.x, cy: node.y, r: 22, class: node.isMaster ? "node master" : "node" }));
+    parts.push(svg("text", { x: node.x, y: node.y + 38, class: "node-label" }, node.name));
+    parts.push(svg("text", { x: node.x, y: node.y + 4, class: "node-memory" }, `${node.memoryPercent}%`));
+  }
+  $("topology").setAttribute("viewBox", `0 0 ${size} ${size}`);
+  $("topology").replaceChildren(...parts);
+}
+
 function renderNodes() {
+  renderTopology();
   $("nodes").replaceChildren(
     ...nodeRows(state).map((node) =>
       el(

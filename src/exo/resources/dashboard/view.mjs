@@ -206,3 +206,36 @@ export function previewRows(state, previews) {
     fits: preview.instance !== null && preview.instance !== undefined,
   }));
 }
+
+// Where to draw the cluster: nodes evenly on a circle (the master at the top), and one
+// line per pair of nodes that reach each other, labelled with the slower direction.
+export function topologyLayout(state, size = 320) {
+  const rows = nodeRows(state);
+  const centre = size / 2;
+  const radius = rows.length > 1 ? size / 2 - 48 : 0;
+  const nodes = rows.map((row, i) => {
+    const angle = -Math.PI / 2 + (2 * Math.PI * i) / rows.length;
+    return { ...row, x: centre + radius * Math.cos(angle), y: centre + radius * Math.sin(angle) };
+  });
+  const at = Object.fromEntries(nodes.map((node) => [node.nodeId, node]));
+  const pairs = new Map();
+  for (const link of state.topology.connections) {
+    if (!at[link.source] || !at[link.sink]) continue;
+    const key = [link.source, link.sink].sort().join(" ");
+    const pair = pairs.get(key) ?? { from: at[link.source], to: at[link.sink], directions: 0, latencyMs: null };
+    pair.directions += 1;
+    if (link.latencyMs !== null && link.latencyMs !== undefined) {
+      pair.latencyMs = Math.max(pair.latencyMs ?? 0, link.latencyMs);
+    }
+    pairs.set(key, pair);
+  }
+  const edges = [...pairs.values()].map((pair) => ({
+    x1: pair.from.x,
+    y1: pair.from.y,
+    x2: pair.to.x,
+    y2: pair.to.y,
+    bothWays: pair.directions === 2,
+    label: pair.latencyMs === null ? "" : `${pair.latencyMs.toFixed(1)} ms`,
+  }));
+  return { size, nodes, edges };
+}
