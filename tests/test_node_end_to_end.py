@@ -303,3 +303,14 @@ def test_a_second_node_on_a_busy_api_port_says_so_and_leaves_the_first_alone(exo
     assert not (tmp_path / "second" / "config" / "node_id").exists()  # it stopped before starting anything
     state = exo_node.state()
     assert list(state["nodes"]) in ([], [exo_node.node_id()])
+
+
+def test_models_can_be_filtered_to_the_downloaded_ones(exo_node: ExoNode):
+    every = {card["model_id"] for card in exo_node.get("/models").json()}
+    downloaded = {card["model_id"] for card in exo_node.get("/models", params={"status": "downloaded"}).json()}
+    # The tiny models are dirs in EXO_MODELS_DIRS, the demo model ships in the package;
+    # the built-in cards of big models have nothing on disk here.
+    assert {TINY_MODEL_ID, "exo/demo-chat"} <= downloaded < every
+    assert "mlx-community/gemma-4-e2b-it-4bit" in every - downloaded
+    bad = exo_node.get("/models", params={"status": "somewhere"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "query.status"

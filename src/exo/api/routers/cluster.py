@@ -3,7 +3,7 @@
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
@@ -17,9 +17,10 @@ from exo.master.placement import (
     instance_problem,
     place_instance,
 )
-from exo.shared.models.model_cards import ModelCard
+from exo.shared.models.model_cards import ModelCard, local_cards
 from exo.shared.types.commands import AddCustomModelCard, CreateInstance, DeleteCustomModelCard, DeleteInstance
 from exo.shared.types.common import InstanceId, ModelId
+from exo.shared.types.downloads import DownloadCompleted
 from exo.shared.types.instances import Instance, InstanceMeta, Sharding
 from exo.shared.types.runners import SERVING_STATUSES, RunnerFailed
 from exo.shared.types.state import State
@@ -105,8 +106,21 @@ def get_events(request: Request, since: int = Query(0, ge=0)) -> list[dict[str, 
 
 
 @router.get("/models")
-def get_models(request: Request) -> list[ModelCard]:
-    return sorted(node_of(request).cards().values(), key=lambda card: card.model_id)
+def get_models(request: Request, status: Literal["downloaded"] | None = None) -> list[ModelCard]:
+    """Every card; with status=downloaded, those whose weights are on some node already
+    (in a models dir of this node, or downloaded by any node of the cluster)."""
+    node = node_of(request)
+    cards = node.cards()
+    if status == "downloaded":
+        on_disk = set(local_cards(node.config.exo_home))
+        downloaded = {
+            model_id
+            for per_model in node.replica.state.downloads.values()
+            for model_id, progress in per_model.items()
+            if isinstance(progress, DownloadCompleted)
+        }
+        cards = {model_id: card for model_id, card in cards.items() if model_id in on_disk | downloaded}
+    return sorted(cards.values(), key=lambda card: card.model_id)
 
 
 class CommandResponse(BaseModel):
