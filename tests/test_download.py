@@ -339,6 +339,10 @@ def test_a_card_is_read_from_the_hub_without_the_weights(fake_hub: FakeHub, tmp_
 
     with pytest.raises(ModelNotOnHub, match="was not found"):
         fetch_card("acme/absent", endpoint=endpoint)
+    make_tiny_llama(root / "acme--not-a-language-model")
+    (root / "acme--not-a-language-model" / "config.json").write_text('{"model_type": "vit", "image_size": 224}')
+    with pytest.raises(DownloadError, match="config.json cannot be read as a model: .*no num_hidden_layers"):
+        fetch_card("acme/not-a-language-model", endpoint=endpoint)
     with pytest.raises(InvalidModelId):
         fetch_card("../etc", endpoint=endpoint)
     with pytest.raises(HubUnreachable, match="could not reach"):
