@@ -6,13 +6,15 @@ same model, prompt and machine, in one run.
 
 The API side is measured by the client (first to last streamed token), so it includes
 the runner subprocess, the master, the chunk topic, FastAPI and SSE. The two sides run
-one after the other, never at once, and the direct side runs before and after the API
-side so drift on a shared machine shows.
+one after the other, never at once, alternating over several rounds (direct, API, direct,
+...), and the ratio is of the medians: a small shared machine drifts by 10-20% from one
+run to the next, and a single pair would mostly measure that drift.
 """
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -33,8 +35,7 @@ from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskPara
 PROMPT = "Write a long story about a cluster of computers."
 
 
-def direct_decode_tps(model_dir: Path, tokens: int) -> float:
-    model, tokenizer = load(str(model_dir))
+def direct_decode_tps(model, tokenizer, tokens: int) -> float:
     params = TextGenerationTaskParams(model="bench", messages=[ChatMessage(role="user", content=PROMPT)])
     prompt = mx.array(encode_prompt(tokenizer, params)[0])
     stream = generate_step(prompt, model, max_tokens=tokens, sampler=make_sampler(temp=0.0))
@@ -76,16 +77,6 @@ def streamed_decode_tps(url: str, model_id: str, tokens: int) -> tuple[float, in
     return (generated - 1) / (times[-1] - times[0]), generated
 
 
-def api_decode_tps(model_dir: Path, model_id: str, tokens: int) -> tuple[float, int]:
-    with tempfile.TemporaryDirectory() as home:
-        node = start_node(Path(home), {"EXO_MODELS_DIRS": str(model_dir.parent)})
-        try:
-            node.place(model_id, timeout=600)
-            return streamed_decode_tps(node.url, model_id, tokens)
-        finally:
-            stop_node(node)
-
-
 def bench_model(scratch: Path) -> tuple[Path, str]:
     """A random float32 Llama big enough that compute, not overhead, sets the pace."""
     model_dir = make_tiny_llama(
@@ -105,20 +96,35 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, help="HF-layout model dir named org--name")
     parser.add_argument("--model-id", help="model id of --model-dir, e.g. org/name")
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3, help="API runs, each between two direct runs")
     args = parser.parse_args()
+    direct: list[float] = []
+    through_api: list[float] = []
     with tempfile.TemporaryDirectory() as scratch:
         if args.model_dir is None:
             model_dir, model_id = bench_model(Path(scratch))
         else:
             model_dir, model_id = args.model_dir, args.model_id
-        before = direct_decode_tps(model_dir, args.tokens)
-        through_api, generated = api_decode_tps(model_dir, model_id, args.tokens)
-        after = direct_decode_tps(model_dir, args.tokens)
-    direct = (before + after) / 2
+        model, tokenizer = load(str(model_dir))
+        node = start_node(Path(scratch) / "exo_home", {"EXO_MODELS_DIRS": str(model_dir.parent)})
+        try:
+            node.place(model_id, timeout=600)
+            direct.append(direct_decode_tps(model, tokenizer, args.tokens))
+            for _ in range(args.rounds):
+                tps, generated = streamed_decode_tps(node.url, model_id, args.tokens)
+                through_api.append(tps)
+                direct.append(direct_decode_tps(model, tokenizer, args.tokens))
+        finally:
+            stop_node(node)
     print(f"model: {model_id} ({model_dir.name}), {generated} tokens, cpu count {os.cpu_count()}")
-    print(f"mlx-lm generate_step: {before:.1f} tok/s before, {after:.1f} tok/s after (mean {direct:.1f})")
-    print(f"exo API (streamed):   {through_api:.1f} tok/s")
-    print(f"ratio API / direct:   {through_api / direct:.3f}")
+    print(
+        f"mlx-lm generate_step: {', '.join(f'{t:.1f}' for t in direct)} tok/s (median {statistics.median(direct):.1f})"
+    )
+    print(
+        f"exo API (streamed):   {', '.join(f'{t:.1f}' for t in through_api)} tok/s "
+        f"(median {statistics.median(through_api):.1f})"
+    )
+    print(f"ratio API / direct:   {statistics.median(through_api) / statistics.median(direct):.3f} (of the medians)")
 
 
 if __name__ == "__main__":
