@@ -10,10 +10,10 @@ from loguru import logger
 
 from exo.master.master import Master
 from exo.routing.election import Election
+from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
 from exo.routing.zenoh_transport import ZenohTransport
 from exo.shared.models.model_cards import ModelCard, all_cards
-from exo.shared.replica import StateReplica
 from exo.shared.types.commands import Command
 from exo.shared.types.common import NodeId, new_id
 from exo.worker.worker import Worker

@@ -11,7 +11,6 @@ from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from exo.api.chunk_streams import ChunkStreams
 from exo.api.errors import (
     ApiError,
     api_error_handler,
@@ -21,6 +20,7 @@ from exo.api.errors import (
 )
 from exo.api.limits import RequestSizeLimit, max_request_bytes
 from exo.api.routers import cancel, claude, cluster, completions, ollama, openai_chat, responses
+from exo.routing.chunk_streams import ChunkStreams
 
 if TYPE_CHECKING:
     from exo.node import Node

@@ -28,8 +28,8 @@ from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskP
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from exo.api.chunk_streams import ChunkStreams
     from exo.node import Node
+    from exo.routing.chunk_streams import ChunkStreams
 
 # A command can be lost while the cluster elects a new master; don't wait forever.
 ACCEPT_TIMEOUT_SECONDS = 15.0
