@@ -193,7 +193,8 @@ def approximate_token_count(text: str) -> int:
 def stop_reason(finish_reason: FinishReason | None, stop_sequence: str | None = None) -> StopReason:
     if stop_sequence is not None:
         return "stop_sequence"
-    return {"length": "max_tokens", "tool_calls": "tool_use"}.get(finish_reason or "stop", "end_turn")
+    reasons: dict[FinishReason, StopReason] = {"length": "max_tokens", "tool_calls": "tool_use"}
+    return reasons.get(finish_reason or "stop", "end_turn")
 
 
 def sse(event: dict[str, Any]) -> str:

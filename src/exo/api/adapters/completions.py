@@ -2,7 +2,7 @@
 
 import json
 import time
-from typing import Any
+from typing import Any, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -57,6 +57,17 @@ class CompletionRequest(BaseModel):
             raise ValueError("stop accepts at most 4 sequences")
         return self
 
+    def one_prompt(self) -> str | list[int]:
+        """The prompt as text or token ids (`_one_prompt` has unwrapped a batch of one)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or _token_ids(prompt):
+            return prompt
+        raise AssertionError("_one_prompt leaves a single prompt, text or token ids")
+
+
+def _token_ids(prompt: list[Any]) -> TypeGuard[list[int]]:
+    return all(isinstance(token, int) for token in prompt)
+
 
 def to_task_params(request: CompletionRequest, prompt_text: str) -> TextGenerationTaskParams:
     """`prompt_text` is the prompt as text (decoded when it came as token ids, empty when
@@ -66,7 +77,7 @@ def to_task_params(request: CompletionRequest, prompt_text: str) -> TextGenerati
     return TextGenerationTaskParams(
         model=ModelId(request.model),
         messages=[ChatMessage(role="user", content=prompt_text)] if prompt_text else [],
-        prompt=request.prompt,
+        prompt=request.one_prompt(),
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
