@@ -26,11 +26,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import start_node, stop_node  # noqa: E402
-from exo.devtools.tiny_models import make_tiny_llama  # noqa: E402
-from exo.engine.mlx.chat_template import encode_prompt  # noqa: E402
-from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams  # noqa: E402
+from exo.devtools.tiny_models import make_tiny_llama
+from exo.engine.mlx.chat_template import encode_prompt
+from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests.support
+from tests.support.node import start_node, stop_node  # noqa: E402
 
 PROMPT = "Write a long story about a cluster of computers."
 

@@ -14,12 +14,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests.support
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx  # noqa: E402
 from bench_decode import bench_model, streamed_decode_tps  # noqa: E402
 
-from cluster import loopback_cluster, wait_converged  # noqa: E402
+from tests.support.cluster import loopback_cluster, wait_converged  # noqa: E402
 
 
 def place(node, model_id: str, sharding: str, min_nodes: int) -> str:

@@ -1,0 +1,128 @@
+"""Several real exo processes on loopback: links measured, the master killed, and the
+cluster carrying on from the replicated log."""
+
+import os
+import signal
+import time
+
+import openai
+
+from tests.support.cluster import loopback_cluster, wait_converged
+from tests.support.node import TINY_MODEL_ID
+
+CUSTOM_CARD = {
+    "model_id": "custom/made-up",
+    "n_layers": 4,
+    "hidden_size": 256,
+    "num_key_value_heads": 4,
+    "tasks": ["TextGeneration"],
+    "context_length": 2048,
+    "storage_size": {"in_bytes": 1000000},
+}
+
+
+def test_links_are_measured_and_the_cluster_survives_its_master(tmp_path, tiny_models_dir):
+    with loopback_cluster(3, tmp_path, {"EXO_MODELS_DIRS": str(tiny_models_dir)}) as nodes:
+        states = wait_converged(nodes)
+        master_id = states[0]["masterNodeId"]
+        ids = {n.node_id(): n for n in nodes}
+        master = ids[master_id]
+        survivors = [n for node_id, n in ids.items() if node_id != master_id]
+
+        # Every ordered pair of nodes gets a measured link.
+        state = survivors[0].wait_for_state(
+            lambda s: len(s["topology"]["connections"]) == 6, timeout=30, what="6 measured links"
+        )
+        for link in state["topology"]["connections"]:
+            assert link["sinkIp"] == "127.0.0.1"
+            assert link["latencyMs"] > 0 and link["bandwidthMbps"] > 0
+
+        assert survivors[0].post("/models", json=CUSTOM_CARD).status_code == 200
+        # Put the instance on a survivor, so it outlives the master.
+        previews = survivors[0].get("/instance/previews", params={"model_id": TINY_MODEL_ID}).json()
+        preview = next(p for p in previews if p["instance"] and p["nodeIds"] == [survivors[0].node_id()])
+        response = survivors[1].post("/instance", json={"instance": preview["instance"]})
+        assert response.status_code == 200, response.text
+        instance_id = response.json()["instance_id"]
+        survivors[0].wait_for_state(
+            lambda s: any(r["kind"] == "RunnerReady" for r in s["runners"].values()), timeout=60, what="ready"
+        )
+
+        os.kill(master.process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        new_masters = set()
+        for node in survivors:
+            state = node.wait_for_state(
+                lambda s: s["masterNodeId"] not in (None, master_id), timeout=10, what="a new master"
+            )
+            new_masters.add(state["masterNodeId"])
+        took = time.monotonic() - killed_at
+        print(f"every survivor answered with new master {new_masters} {took:.1f}s after the kill")
+        assert len(new_masters) == 1 and took < 10, (new_masters, took)
+
+        for node in survivors:
+            state = node.wait_for_state(lambda s: master_id not in s["nodes"], timeout=15, what="master timed out")
+            assert instance_id in state["instances"]
+            assert "custom/made-up" in state["customModelCards"]
+            models = [m["id"] for m in node.get("/v1/models").json()["data"]]
+            assert "custom/made-up" in models
+
+        for node in survivors:
+            sdk = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=60)
+            completion = sdk.chat.completions.create(
+                model=TINY_MODEL_ID, messages=[{"role": "user", "content": "still there?"}], max_tokens=4
+            )
+            assert completion.usage.completion_tokens > 0
+
+        # The new master places new instances too.
+        assert survivors[1].delete(f"/instance/{instance_id}").status_code == 200
+        survivors[1].wait_for_state(lambda s: s["instances"] == {}, timeout=15, what="deleted")
+        new_instance = survivors[1].place()
+        assert new_instance in survivors[0].wait_for_state(lambda s: new_instance in s["instances"])["instances"]
+        sdk = openai.OpenAI(base_url=f"{survivors[0].url}/v1", api_key="unused", max_retries=0, timeout=60)
+        completion = sdk.chat.completions.create(
+            model=TINY_MODEL_ID, messages=[{"role": "user", "content": "and now?"}], max_tokens=4
+        )
+        assert completion.usage.completion_tokens > 0
+
+
+def test_requests_go_to_the_least_loaded_instance(tmp_path, tiny_models_dir):
+    import threading
+
+    with loopback_cluster(2, tmp_path, {"EXO_MODELS_DIRS": str(tiny_models_dir)}) as nodes:
+        wait_converged(nodes)
+        node_ids = [node.node_id() for node in nodes]
+        previews = nodes[0].get("/instance/previews", params={"model_id": TINY_MODEL_ID}).json()
+        instance_ids = []
+        for node_id in node_ids:
+            preview = next(p for p in previews if p["instance"] and p["nodeIds"] == [node_id])
+            response = nodes[0].post("/instance", json={"instance": preview["instance"]})
+            assert response.status_code == 200, response.text
+            instance_ids.append(response.json()["instance_id"])
+        nodes[1].wait_for_state(
+            lambda s: [r["kind"] for r in s["runners"].values()] == ["RunnerReady"] * 2, timeout=60, what="2 ready"
+        )
+
+        def long_request(node):
+            sdk = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=120)
+            # Greedy decoding of this random model never hits EOS: ~3 s of work each.
+            sdk.chat.completions.create(
+                model=TINY_MODEL_ID, messages=[{"role": "user", "content": "go on"}], max_tokens=2000, temperature=0
+            )
+
+        # Two requests at once, through different nodes' APIs.
+        threads = [threading.Thread(target=long_request, args=(node,)) for node in nodes]
+        threads[0].start()
+        nodes[0].wait_for_state(
+            lambda s: [t["status"] for t in s["tasks"].values()] == ["Running"], timeout=10, what="first task running"
+        )
+        threads[1].start()
+        for thread in threads:
+            thread.join(timeout=120)
+
+        created = [
+            e["event"]["task"]["instanceId"]
+            for e in nodes[0].get("/events").json()
+            if e["event"]["kind"] == "TaskCreated"
+        ]
+        assert sorted(created) == sorted(instance_ids), "the second request should go to the idle instance"

@@ -1,0 +1,202 @@
+"""Instances split over two real nodes (pipeline and tensor, over the MLX ring) serve
+through the API like a single-node instance."""
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.support.cluster import loopback_cluster, netns_cluster, wait_converged
+from tests.support.node import TINY_MODEL_ID
+
+PROMPT = [{"role": "user", "content": "Hello there, tell me about clusters"}]
+
+
+def place_and_wait(node, sharding: str, min_nodes: int) -> str:
+    response = node.post(
+        "/place_instance", json={"model_id": TINY_MODEL_ID, "sharding": sharding, "min_nodes": min_nodes}
+    )
+    assert response.status_code == 200, response.text
+    instance_id = response.json()["instance_id"]
+    with httpx.stream("GET", f"{node.url}/instance/await", params={"instance_id": instance_id}, timeout=180) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith(("event:", "data:"))]
+    assert "event: ready" in events, events[-4:]
+    return instance_id
+
+
+def delete_and_wait(node, instance_id: str) -> None:
+    assert node.delete(f"/instance/{instance_id}").status_code == 200
+    node.wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=30, what="instance gone")
+
+
+def greedy(node, max_tokens: int = 24) -> str:
+    sdk = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    completion = sdk.chat.completions.create(model=TINY_MODEL_ID, messages=PROMPT, max_tokens=max_tokens, temperature=0)
+    return completion.choices[0].message.content
+
+
+@pytest.fixture
+def two_nodes(tmp_path, tiny_models_dir):
+    # Small prefill steps, so a long prompt takes long enough to cancel half-way.
+    env = {"EXO_MODELS_DIRS": str(tiny_models_dir), "EXO_PREFILL_STEP": "16"}
+    with loopback_cluster(2, tmp_path, env) as nodes:
+        wait_converged(nodes)
+        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 2, timeout=30, what="links measured")
+        yield nodes
+
+
+def test_pipeline_and_tensor_instances_answer_like_a_single_node(two_nodes):
+    answers = {}
+    for sharding, min_nodes in (("Pipeline", 1), ("Pipeline", 2), ("Tensor", 2)):
+        instance_id = place_and_wait(two_nodes[0], sharding, min_nodes)
+        instance = two_nodes[0].get(f"/instance/{instance_id}").json()
+        assert len(instance["shardAssignments"]["nodeToRunner"]) == min_nodes
+        # Ask through the node that is not rank 0 too: chunks cross the cluster.
+        answers[(sharding, min_nodes)] = (greedy(two_nodes[0]), greedy(two_nodes[1]))
+        delete_and_wait(two_nodes[0], instance_id)
+    single = answers[("Pipeline", 1)]
+    assert single[0] == single[1] and len(single[0]) > 0
+    assert answers[("Pipeline", 2)] == single
+    assert answers[("Tensor", 2)] == single
+
+
+def test_cancelling_a_split_instance_request_frees_both_ranks(two_nodes):
+    place_and_wait(two_nodes[0], "Pipeline", 2)
+    # Abort a long stream mid-decode by closing the connection.
+    with httpx.stream(
+        "POST",
+        f"{two_nodes[1].url}/v1/chat/completions",
+        json={"model": TINY_MODEL_ID, "messages": PROMPT, "max_tokens": 5000, "temperature": 0, "stream": True},
+        timeout=60,
+    ) as response:
+        for number, _ in enumerate(response.iter_lines()):
+            if number > 20:
+                break
+    two_nodes[0].wait_for_state(lambda s: s["tasks"] == {}, timeout=10, what="task dropped")
+    # Both ranks are free again: the next request completes.
+    done = threading.Event()
+    result = {}
+
+    def ask():
+        result["text"] = greedy(two_nodes[0], max_tokens=8)
+        done.set()
+
+    threading.Thread(target=ask, daemon=True).start()
+    assert done.wait(60), "the next request hung after a cancellation"
+    assert result["text"]
+
+
+def test_cancelling_during_prefill_frees_both_ranks(two_nodes):
+    place_and_wait(two_nodes[0], "Pipeline", 2)
+    long_prompt = [{"role": "user", "content": "cluster node model token " * 600}]
+    progress = []
+    with httpx.stream(
+        "POST",
+        f"{two_nodes[1].url}/v1/chat/completions",
+        json={"model": TINY_MODEL_ID, "messages": long_prompt, "max_tokens": 2000, "temperature": 0, "stream": True},
+        timeout=60,
+    ) as response:
+        for line in response.iter_lines():
+            assert not line.startswith("data:"), f"the answer started before the cancel: {line}"
+            if line.startswith(": prefill"):
+                progress.append(line)
+                if len(progress) == 3:
+                    break
+    done, total = map(int, progress[-1].split()[-1].split("/"))
+    assert 0 < done < total, progress
+    # Left alone, the request would prefill on and then decode up to 2000 tokens.
+    two_nodes[0].wait_for_state(lambda s: s["tasks"] == {}, timeout=10, what="task dropped")
+    # Both ranks are free again: the next request completes.
+    assert greedy(two_nodes[0], max_tokens=8)
+
+
+def test_killing_one_rank_fails_the_request_and_the_model_moves_to_the_survivor(two_nodes):
+    instance_id = place_and_wait(two_nodes[0], "Pipeline", 2)
+    state = two_nodes[0].state()
+    master = state["masterNodeId"]
+    victim = next(n for n in two_nodes if n.node_id() != master)
+    survivor = next(n for n in two_nodes if n.node_id() == master)
+    sdk = openai.OpenAI(base_url=f"{survivor.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = sdk.chat.completions.create(
+        model=TINY_MODEL_ID, messages=PROMPT, max_tokens=5000, temperature=0, stream=True
+    )
+    started = None
+    with pytest.raises(openai.APIError):
+        for number, _ in enumerate(stream):
+            if number == 10:
+                os.killpg(victim.process.pid, signal.SIGKILL)
+                started = time.monotonic()
+    assert started is not None and time.monotonic() - started < 15, "the client waited too long for the error"
+    state = survivor.wait_for_state(lambda s: instance_id not in s["instances"], timeout=30, what="instance torn down")
+    assert instance_id in state["instanceDeletions"]
+    # The model fits on the survivor alone, so it is placed there again and serves.
+    state = survivor.wait_for_state(
+        lambda s: [r["kind"] for r in s["runners"].values()] == ["RunnerReady"], timeout=60, what="re-placed"
+    )
+    (replacement,) = state["instances"].values()
+    assert list(replacement["shardAssignments"]["nodeToRunner"]) == [survivor.node_id()]
+    assert greedy(survivor, max_tokens=4)
+
+
+THREE_WAY_MODEL_ID = "acme/tiny3"
+
+
+@pytest.fixture(scope="module")
+def three_way_models_dir(tmp_path_factory):
+    """3 layers, and widths divisible by 3, so pipeline and tensor both split 3 ways."""
+    from exo.devtools.tiny_models import make_tiny_llama
+
+    models_dir = tmp_path_factory.mktemp("models3")
+    make_tiny_llama(
+        models_dir / "acme--tiny3",
+        hidden_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        intermediate_size=192,
+    )
+    return models_dir
+
+
+@pytest.mark.parametrize(("network", "count"), [("loopback", 3), ("netns", 2), ("netns", 3)])
+def test_split_instances_answer_like_one_node(network, count, tmp_path, three_way_models_dir):
+    """The tiny3 model splits 2 ways (layers 2+1, tensor over 6 heads / 3 KV heads does
+    not divide by 2, so only pipeline) and 3 ways (both)."""
+    make_cluster = loopback_cluster if network == "loopback" else netns_cluster
+    with make_cluster(count, tmp_path, {"EXO_MODELS_DIRS": str(three_way_models_dir)}) as nodes:
+        wait_converged(nodes, timeout=60)
+        links = count * (count - 1)
+        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == links, timeout=60, what=f"{links} links")
+        sdk = openai.OpenAI(base_url=f"{nodes[-1].url}/v1", api_key="unused", max_retries=0, timeout=120)
+        answers = {}
+        shardings = [("Pipeline", 1), ("Pipeline", count)] + ([("Tensor", 3)] if count == 3 else [])
+        for sharding, min_nodes in shardings:
+            response = nodes[0].post(
+                "/place_instance", json={"model_id": THREE_WAY_MODEL_ID, "sharding": sharding, "min_nodes": min_nodes}
+            )
+            assert response.status_code == 200, response.text
+            instance_id = response.json()["instance_id"]
+            nodes[-1].wait_for_state(  # the node we ask sees it ready
+                lambda s, i=instance_id: (
+                    s["instances"].get(i)
+                    and all(
+                        s["runners"].get(r, {}).get("kind") == "RunnerReady"
+                        for r in s["instances"][i]["shardAssignments"]["runnerToShard"]
+                    )
+                ),
+                timeout=180,
+                what=f"{sharding} x{min_nodes} ready",
+            )
+            answers[(sharding, min_nodes)] = (
+                sdk.chat.completions.create(model=THREE_WAY_MODEL_ID, messages=PROMPT, max_tokens=16, temperature=0)
+                .choices[0]
+                .message.content
+            )
+            delete_and_wait(nodes[0], instance_id)
+        assert answers[("Pipeline", count)] == answers[("Pipeline", 1)]
+        if count == 3:
+            assert answers[("Tensor", 3)] == answers[("Pipeline", 1)]

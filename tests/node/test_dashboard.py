@@ -1,0 +1,112 @@
+"""The web dashboard every node serves on its API port. The page's view logic
+(view.mjs) runs in Node over a real node's /state, previews and chat stream; no browser
+runs here, so the DOM side (app.mjs) is only loaded and syntax-checked."""
+
+import json
+import re
+import subprocess
+from importlib.resources import files
+from pathlib import Path
+
+import httpx
+
+from tests.support.node import TINY_MODEL_ID, ExoNode
+
+DASHBOARD = Path(str(files("exo") / "resources" / "dashboard"))
+VIEW_CHECK = Path(__file__).parent / "js" / "dashboard_view.mjs"
+
+
+def test_the_dashboard_and_its_assets_are_served(exo_node: ExoNode):
+    page = httpx.get(f"{exo_node.url}/", follow_redirects=True, timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert str(page.url).endswith("/dashboard/")
+    assets = [a for a in re.findall(r'(?:src|href)="([^"]+)"', page.text) if not a.startswith("data:")]
+    assert sorted(assets) == ["app.mjs", "style.css"]
+    for asset in [*assets, "view.mjs"]:
+        response = httpx.get(f"{exo_node.url}/dashboard/{asset}", timeout=10)
+        assert response.status_code == 200, asset
+        expected = "text/css" if asset.endswith(".css") else "text/javascript"
+        assert response.headers["content-type"].startswith(expected), (asset, response.headers["content-type"])
+    for script in ("app.mjs", "view.mjs"):
+        subprocess.run(["node", "--check", str(DASHBOARD / script)], check=True)
+    # A missing asset is a 404, not a crash.
+    assert httpx.get(f"{exo_node.url}/dashboard/nope.js", timeout=10).status_code == 404
+
+
+def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: ExoNode, tmp_path):
+    instance_id = exo_node.place()
+    state = exo_node.state()
+    previews = exo_node.get("/instance/previews", params={"model_id": TINY_MODEL_ID}).json()
+    body = {
+        "model": TINY_MODEL_ID,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", f"{exo_node.url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        stream = response.read().decode()
+    expected_content = "".join(
+        choice["delta"].get("content") or ""
+        for line in stream.splitlines()
+        if line.startswith("data: {")
+        for choice in json.loads(line[6:])["choices"]
+    )
+
+    given = tmp_path / "dashboard-input.json"
+    # The same machine twice under another node id: two nodes on one host share a name.
+    node_id = exo_node.node_id()
+    twin_id = "0123abcd" + node_id[8:]
+    twin_state = {**state, "nodes": {**state["nodes"], twin_id: {**state["nodes"][node_id], "nodeId": twin_id}}}
+    links = [
+        {"source": node_id, "sink": twin_id, "sinkIp": "10.0.0.2", "latencyMs": 1.5, "bandwidthMbps": 900.0},
+        {"source": twin_id, "sink": node_id, "sinkIp": "10.0.0.1", "latencyMs": 2.25, "bandwidthMbps": 800.0},
+    ]
+    twin_state["topology"] = {"connections": links}
+    given.write_text(json.dumps({"state": state, "twinState": twin_state, "previews": previews, "stream": stream}))
+    shown = json.loads(
+        subprocess.run(
+            ["node", str(VIEW_CHECK), str(given), str(DASHBOARD / "view.mjs")],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
+
+    [node] = shown["nodes"]
+    assert node["nodeId"] == node_id and node["isMaster"]
+    assert node["memoryTotal"] == state["nodes"][node_id]["memory"]["totalBytes"] > 0
+    assert 0 <= node["memoryPercent"] <= 100
+    assert shown["links"] == []
+    name = state["nodes"][node_id]["friendlyName"]
+    assert node["name"] == name
+    assert sorted(n["name"] for n in shown["twinNodes"]) == sorted([f"{name} ({node_id[:8]})", f"{name} (0123abcd)"])
+    topology = shown["twinTopology"]
+    master = next(n for n in topology["nodes"] if n["isMaster"])
+    assert master["nodeId"] == node_id and master["y"] < 150  # the master is drawn at the top
+    # Two directed links make one line, labelled with the slower direction.
+    [edge] = topology["edges"]
+    assert edge["bothWays"] and edge["label"] == "2.3 ms"
+
+    [instance] = shown["instances"]
+    assert instance["instanceId"] == instance_id and instance["modelId"] == TINY_MODEL_ID
+    assert instance["serving"] and instance["sharding"] == "Pipeline"
+    [rank] = instance["ranks"]
+    n_layers = state["instances"][instance_id]["shardAssignments"]["runnerToShard"]
+    n_layers = next(iter(n_layers.values()))["nLayers"]
+    assert rank["layers"] == f"0-{n_layers - 1} of {n_layers}"
+    assert rank["status"]["text"] in ("Ready", "Running 1 request(s)")
+    assert shown["serving"] == [TINY_MODEL_ID]
+
+    assert any(p["fits"] and p["verdict"] == "fits" for p in shown["previews"])
+    assert all(p["fits"] or p["verdict"] != "fits" for p in shown["previews"])
+
+    reply = shown["reply"]
+    assert reply["done"] and shown["leftover"] == ""
+    assert reply["content"] == expected_content and reply["content"]
+    assert reply["finishReason"] in ("stop", "length")
+    assert reply["usage"]["completion_tokens"] > 0
+    assert reply["stats"]["generation_tokens"] == reply["usage"]["completion_tokens"]
+    assert reply["stats"]["generation_tps"] > 0

@@ -1,0 +1,18 @@
+"""The real MLX engine in this process, for tests of the engine itself, without a node."""
+
+from pathlib import Path
+
+from exo.engine.mlx.engine import MlxEngine
+from exo.shared.models.model_cards import card_from_model_dir
+from exo.shared.types.shards import PipelineShardMetadata
+
+
+def load_engine(model_dir: Path):
+    """One rank holding the whole model."""
+    card = card_from_model_dir(model_dir, "test/model")
+    shard = PipelineShardMetadata(
+        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers, n_layers=card.n_layers
+    )
+    engine = MlxEngine()
+    engine.load(model_dir, shard, lambda done, total: None)
+    return engine
