@@ -231,7 +231,7 @@ def compare(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("model", help="a TINY_CONFIGS name or a config.json path")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=32)

@@ -18,7 +18,7 @@ from exo.engine.mlx.engine import prefill_chunk
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.parallel import connect_group
 from exo.master.placement import split_layers
-from exo.shared.models.model_cards import card_from_model_dir
+from exo.catalog.cards import card_from_model_dir
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.instances import Instance, ShardAssignments, Sharding
 from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
@@ -67,7 +67,7 @@ def run_rank(model_dir: Path, instance: Instance, rank: int, prompt: list[int], 
     logits = model(mx.array(prompt[-1:])[None], cache=cache)[0, -1]
     all_logits, tokens = [logits], []
     for _ in range(decode_steps):
-        token = int(mx.argmax(all_logits[-1]).item())
+        token = int(mx.argmax(all_logits[-1]))
         tokens.append(token)
         all_logits.append(model(mx.array([[token]]), cache=cache)[0, -1])
     return {"logits": np.array(mx.stack(all_logits).astype(mx.float32)), "tokens": np.array(tokens)}

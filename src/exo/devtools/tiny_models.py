@@ -80,7 +80,7 @@ def _random_weights(model, seed: int, perturb_constants: bool) -> dict[str, mx.a
         for name, p in tree_flatten(params):
             if isinstance(p, mx.array) and _is_float(p) and p.size > 0 and bool(mx.all(p == p.reshape(-1)[0])):
                 key, sub = mx.random.split(key)
-                scale = 0.1 * max(abs(float(p.reshape(-1)[0].item())), 0.2)
+                scale = 0.1 * max(abs(float(p.reshape(-1)[0])), 0.2)
                 p = p + scale * mx.random.normal(p.shape, key=sub).astype(p.dtype)
             flat.append((name, p))
         params = tree_unflatten(flat)

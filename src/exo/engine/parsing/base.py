@@ -29,6 +29,7 @@ class StreamParser(Protocol):
 
     def finish(self) -> Parsed:
         """The end of the output: flush what was held back, report what is unclosed."""
+        ...
 
 
 def find_first(text: str, markers: list[str]) -> tuple[int, str] | None:

@@ -175,7 +175,8 @@ def _to_tool_call(item: Any, tools: list[dict[str, Any]] | None) -> ToolCall:
     if not isinstance(arguments, dict):
         raise ValueError(f"tool call arguments must be an object, got {arguments!r}")
     arguments = coerce_arguments(item["name"], arguments, tools)
-    call_id = item.get("id") if isinstance(item.get("id"), str) and item.get("id") else new_call_id()
+    given_id = item.get("id")
+    call_id = given_id if isinstance(given_id, str) and given_id else new_call_id()
     return ToolCall(id=call_id, name=item["name"], arguments=json.dumps(arguments, ensure_ascii=False))
 
 
