@@ -1,10 +1,16 @@
-"""The small interface a runner drives. No MLX type crosses it, so another engine can
-sit beside the MLX one."""
+"""What a second engine must implement: the whole interface a runner drives
+(exo.worker.runner uses nothing else). No MLX type crosses it.
+
+A runner calls connect, load and warm_up once each, in that order; then submit and
+cancel as requests come and go, and step while has_work; close at the end. On a
+multi-rank instance only rank 0 takes requests: a follower rank, once warmed up, just
+calls step until shutdown_requested (its engine learns what to do from rank 0)."""
 
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from exo.shared.types.common import CommandId
 from exo.shared.types.instances import Instance
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams
@@ -15,21 +21,48 @@ LayerProgress = Callable[[int, int], None]
 class Engine(Protocol):
     def connect(self, instance: Instance, shard: ShardMetadata) -> None:
         """Join the instance's group of ranks (a no-op for a single rank)."""
+        ...
 
-    def load(self, model_dir: Path, shard: ShardMetadata, on_layer_loaded: LayerProgress) -> None: ...
+    def load(self, model_dir: Path, shard: ShardMetadata, on_layer_loaded: LayerProgress) -> None:
+        """Load this rank's part of the model; on_layer_loaded(done, total) reports progress."""
+        ...
 
     def warm_up(self) -> int:
         """Run a short generation so the first request pays no compile cost; returns
-        the number of tokens generated."""
+        the number of tokens generated. Every rank calls it; rank 0 leads."""
+        ...
 
-    def submit(self, request_id: str, params: TextGenerationTaskParams) -> None: ...
+    def submit(self, request_id: CommandId, params: TextGenerationTaskParams) -> None:
+        """Start a request (rank 0 only). Raises ValueError for a request it cannot run,
+        before any rank starts it."""
+        ...
 
     def step(self) -> list[ChunkGenerated]:
-        """Advance every active request by one token."""
+        """Advance every active request by one prefill chunk or one token; a finished
+        request's last chunk has its finish_reason set. On a follower, the chunks are
+        not streamed."""
+        ...
 
-    def cancel(self, request_id: str) -> None: ...
+    def cancel(self, request_id: CommandId) -> None:
+        """Stop a request (rank 0 only); it yields no more chunks."""
+        ...
 
     @property
-    def has_work(self) -> bool: ...
+    def has_work(self) -> bool:
+        """Requests are active, or changes wait for the next step."""
+        ...
 
-    def close(self) -> None: ...
+    @property
+    def is_follower(self) -> bool:
+        """A rank after 0 of a multi-rank group: it steps in lockstep with rank 0 and
+        neither takes requests nor streams tokens."""
+        ...
+
+    @property
+    def shutdown_requested(self) -> bool:
+        """On a follower: rank 0 has closed, so this rank should close too."""
+        ...
+
+    def close(self) -> None:
+        """Free the model; on rank 0 of a group, also tell the followers to stop."""
+        ...

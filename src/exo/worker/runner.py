@@ -12,7 +12,7 @@ from pathlib import Path
 from loguru import logger
 
 from exo.engine.base import Engine
-from exo.shared.types.common import RunnerId, TaskId
+from exo.shared.types.common import CommandId, RunnerId, TaskId
 from exo.shared.types.events import RunnerStatusUpdated, TaskStatusUpdated
 from exo.shared.types.instances import Instance
 from exo.shared.types.runners import (
@@ -50,17 +50,11 @@ class Runner:
         self.shard = instance.shard_assignments.runner_to_shard[runner_id]
         self.engine = engine
         # request id (the command id) -> task id, for the tasks being generated.
-        self.active: dict[str, TaskId] = {}
+        self.active: dict[CommandId, TaskId] = {}
         self.ready = False
 
     def set_status(self, status: RunnerStatus) -> None:
         self.conn.send(RunnerStatusUpdated(runner_id=self.runner_id, status=status))
-
-    @property
-    def is_follower(self) -> bool:
-        """Ranks after 0 of a multi-rank instance step in lockstep with rank 0 and
-        neither take requests nor stream tokens."""
-        return self.shard.device_rank > 0
 
     def run(self) -> None:
         self.set_status(RunnerIdle())
@@ -83,7 +77,7 @@ class Runner:
 
     @property
     def following(self) -> bool:
-        return self.is_follower and self.ready
+        return self.engine.is_follower and self.ready
 
     def _shut_down(self) -> None:
         self.set_status(RunnerShuttingDown())
@@ -149,7 +143,7 @@ class Runner:
                 self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Complete))
         self._maybe_ready()
 
-    def _finish(self, task_id: TaskId, command_id: str, status: TaskStatus, message: str) -> None:
+    def _finish(self, task_id: TaskId, command_id: CommandId, status: TaskStatus, message: str) -> None:
         self.conn.send(ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message))
         self.conn.send(TaskStatusUpdated(task_id=task_id, status=status, error_message=message))
 

@@ -85,7 +85,7 @@ class _Request:
     reported and a cancellation lands between chunks on every rank), then it decodes a
     token per step."""
 
-    request_id: str
+    request_id: CommandId
     prompt: list[int]
     cache: list[Any]
     sampler: Any
@@ -127,7 +127,7 @@ class MlxEngine:
         self.tool_format: str | None = None
         self.prefix_cache: PrefixCache | None = None
         self.pipeline_ranks = 1
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[CommandId, _Request] = {}
         self._pending_ops: list[dict[str, Any]] = []
         self._grammar_tokenizer: Any = None
         self.shutdown_requested = False
@@ -161,7 +161,7 @@ class MlxEngine:
             max_tokens=4,
             temperature=0.0,
         )
-        self.submit("warmup", params)
+        self.submit(CommandId("warmup"), params)
         generated = 0
         while self._requests or self._pending_ops:
             generated += sum(len(chunk.token_ids) for chunk in self.step())
@@ -170,7 +170,7 @@ class MlxEngine:
             self.step()
         return generated
 
-    def submit(self, request_id: str, params: TextGenerationTaskParams) -> None:
+    def submit(self, request_id: CommandId, params: TextGenerationTaskParams) -> None:
         assert self.model is not None and self.tokenizer is not None, "load() first"
         # An unusable schema fails here, back to the caller, not later inside a step.
         grammar_for(params.response_format)
@@ -182,7 +182,7 @@ class MlxEngine:
         if self.group is None:
             self._apply_ops()
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: CommandId) -> None:
         self._pending_ops.append({"op": "cancel", "id": request_id})
         if self.group is None:
             self._apply_ops()
@@ -209,7 +209,7 @@ class MlxEngine:
                     self.shutdown_requested = True
         return applied
 
-    def _start(self, request_id: str, params: TextGenerationTaskParams, seed: int) -> None:
+    def _start(self, request_id: CommandId, params: TextGenerationTaskParams, seed: int) -> None:
         assert self.model is not None and self.tokenizer is not None
         if grammar_for(params.response_format) is not None and params.enable_thinking is None:
             # The grammar holds from the first token; a thinking block would swallow it.
@@ -310,7 +310,7 @@ class MlxEngine:
 
     def _advance(self, request: _Request) -> ChunkGenerated:
         assert self.model is not None and self.tokenizer is not None
-        command_id = CommandId(request.request_id)
+        command_id = request.request_id
         to_prefill = len(request.prompt) - 1
         if request.prefilled < to_prefill:
             end = min(request.prefilled + PREFILL_STEP, to_prefill)
