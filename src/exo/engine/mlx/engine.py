@@ -11,13 +11,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, assert_never
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
+from pydantic import Field, TypeAdapter
 
 from exo.engine.base import LayerProgress
 from exo.engine.mlx.chat_template import encode_prompt
@@ -29,7 +30,7 @@ from exo.engine.parsing.base import Parsed, StreamParser
 from exo.engine.parsing.output import make_output_parser, think_markers_for, tool_format_for
 from exo.engine.parsing.reasoning import prompt_opens_reasoning
 from exo.engine.stop_sequences import StopSequenceFilter
-from exo.shared.types.common import CommandId, ModelId
+from exo.shared.types.common import CommandId, FrozenModel, ModelId
 from exo.shared.types.instances import Instance
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
 from exo.shared.types.text_generation import (
@@ -47,6 +48,31 @@ from exo.shared.types.text_generation import (
 DEFAULT_MAX_TOKENS = 1024
 # Prompt tokens per prefill step: progress and cancellations land between steps.
 PREFILL_STEP = int(os.environ.get("EXO_PREFILL_STEP", "512"))
+
+
+class StartRequest(FrozenModel):
+    op: Literal["start"] = "start"
+    request_id: CommandId
+    params: TextGenerationTaskParams
+    seed: int
+
+
+class CancelRequest(FrozenModel):
+    op: Literal["cancel"] = "cancel"
+    request_id: CommandId
+
+
+class EndWarmup(FrozenModel):
+    op: Literal["end_warmup"] = "end_warmup"
+
+
+class StopFollowers(FrozenModel):
+    op: Literal["shutdown"] = "shutdown"
+
+
+# What rank 0 broadcasts before a step, for every rank to apply in the same order.
+RankOp = Annotated[StartRequest | CancelRequest | EndWarmup | StopFollowers, Field(discriminator="op")]
+_RANK_OPS = TypeAdapter(list[RankOp])
 
 
 def prefill_chunk(model: nn.Module, tokens: list[int], cache: list[Any], pipeline_ranks: int = 1) -> None:
@@ -128,7 +154,7 @@ class MlxEngine:
         self.prefix_cache: PrefixCache | None = None
         self.pipeline_ranks = 1
         self._requests: dict[CommandId, _Request] = {}
-        self._pending_ops: list[dict[str, Any]] = []
+        self._pending_ops: list[RankOp] = []
         self._grammar_tokenizer: Any = None
         self.shutdown_requested = False
 
@@ -152,9 +178,12 @@ class MlxEngine:
         if self.is_follower:
             # Step along with rank 0 until it says warm-up is over.
             generated = 0
-            while not self._step_and_check("end_warmup"):
+            while True:
+                ops = self._apply_ops()
+                self._advance_all()
+                if any(isinstance(op, EndWarmup) for op in ops):
+                    return generated
                 generated += 1
-            return generated
         params = TextGenerationTaskParams(
             model=ModelId("warmup"),
             messages=[ChatMessage(role="user", content="Hello")],
@@ -166,7 +195,7 @@ class MlxEngine:
         while self._requests or self._pending_ops:
             generated += sum(len(chunk.token_ids) for chunk in self.step())
         if self.group is not None:
-            self._pending_ops.append({"op": "end_warmup"})
+            self._pending_ops.append(EndWarmup())
             self.step()
         return generated
 
@@ -176,38 +205,38 @@ class MlxEngine:
         grammar_for(params.response_format)
         # Every rank seeds its sampler the same way, so all ranks draw the same tokens.
         seed = params.seed if params.seed is not None else random.getrandbits(31)
-        self._pending_ops.append(
-            {"op": "start", "id": request_id, "params": params.model_dump(mode="json"), "seed": seed}
-        )
+        self._pending_ops.append(StartRequest(request_id=request_id, params=params, seed=seed))
         if self.group is None:
             self._apply_ops()
 
     def cancel(self, request_id: CommandId) -> None:
-        self._pending_ops.append({"op": "cancel", "id": request_id})
+        self._pending_ops.append(CancelRequest(request_id=request_id))
         if self.group is None:
             self._apply_ops()
 
-    def _agree_on_ops(self) -> list[dict[str, Any]]:
+    def _agree_on_ops(self) -> list[RankOp]:
         ops, self._pending_ops = self._pending_ops, []
         if self.group is None:
             return ops
-        payload = json.dumps(ops).encode() if ops else None
+        payload = _RANK_OPS.dump_json(ops) if ops else None
         received = broadcast_bytes(None if self.is_follower else payload, self.group, generation_stream)
-        return json.loads(received) if received else []
+        return _RANK_OPS.validate_json(received) if received else []
 
-    def _apply_ops(self) -> list[str]:
-        applied = []
-        for op in self._agree_on_ops():
-            applied.append(op["op"])
-            match op["op"]:
-                case "start":
-                    params = TextGenerationTaskParams.model_validate(op["params"])
-                    self._start(op["id"], params, op["seed"])
-                case "cancel":
-                    self._requests.pop(op["id"], None)
-                case "shutdown":
+    def _apply_ops(self) -> list[RankOp]:
+        ops = self._agree_on_ops()
+        for op in ops:
+            match op:
+                case StartRequest(request_id=request_id, params=params, seed=seed):
+                    self._start(request_id, params, seed)
+                case CancelRequest(request_id=request_id):
+                    self._requests.pop(request_id, None)
+                case EndWarmup():
+                    pass  # a follower's warm_up watches for it
+                case StopFollowers():
                     self.shutdown_requested = True
-        return applied
+                case _:
+                    assert_never(op)
+        return ops
 
     def _start(self, request_id: CommandId, params: TextGenerationTaskParams, seed: int) -> None:
         assert self.model is not None and self.tokenizer is not None
@@ -276,11 +305,6 @@ class MlxEngine:
                 self._grammar_tokenizer = grammar_tokenizer(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids)
             processors.append(GrammarProcessor(self._grammar_tokenizer, grammar))
         return processors
-
-    def _step_and_check(self, marker: str) -> bool:
-        applied = self._apply_ops()
-        self._advance_all()
-        return marker in applied
 
     def _pick(self, params: TextGenerationTaskParams, name: str, fallback: Any) -> Any:
         """The request's value, else the model card's recommendation, else `fallback`."""
@@ -425,7 +449,7 @@ class MlxEngine:
 
     def close(self) -> None:
         if self.group is not None and not self.is_follower:
-            self._pending_ops.append({"op": "shutdown"})
+            self._pending_ops.append(StopFollowers())
             self._apply_ops()
         self._requests.clear()
         self.model = None
