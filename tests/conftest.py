@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from exo.devtools.tiny_models import make_tiny_llama
-from tests.support.node import TINY_MODEL_ID, ExoNode, start_node, stop_node
+from tests.support.node import TINY_MODEL_ID, ExoNode, running_node
 
 
 @pytest.fixture(scope="session")
@@ -19,9 +19,8 @@ def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def exo_node(tmp_path: Path, tiny_models_dir: Path, request: pytest.FixtureRequest) -> Iterator[ExoNode]:
-    node = start_node(tmp_path / "exo_home", {"EXO_MODELS_DIRS": str(tiny_models_dir)})
-    yield node
-    stop_node(node)
+    with running_node(tmp_path / "exo_home", {"EXO_MODELS_DIRS": str(tiny_models_dir)}) as node:
+        yield node
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed:
         print(f"--- exo node log ---\n{node.logs()[-20000:]}")

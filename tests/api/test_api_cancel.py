@@ -2,21 +2,11 @@
 
 import json
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.node import TINY_MODEL_ID, ExoNode, start_node, stop_node
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Iterator[ExoNode]:
-    node = start_node(tmp_path_factory.mktemp("cancel") / "exo_home", {"EXO_MODELS_DIRS": str(tiny_models_dir)})
-    node.place()
-    yield node
-    stop_node(node)
+from tests.support.node import TINY_MODEL_ID, ExoNode
 
 
 def long_chat(stream: bool = True) -> dict:

@@ -2,7 +2,6 @@
 conversions (tool use and thinking) on hand-made chunk streams."""
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
@@ -18,21 +17,11 @@ from exo.api.adapters.claude_messages import (
 )
 from exo.shared.types.common import CommandId
 from exo.shared.types.text_generation import ChunkGenerated, PrefillProgress, ToolCall, Usage
-from tests.support.node import TINY_MODEL_ID, ExoNode, start_node, stop_node
+from tests.support.node import TINY_MODEL_ID, ExoNode
 
 HELLO = [{"role": "user", "content": "Hello there"}]
 # This anthropic SDK has no sampling arguments any more; the API still takes them.
 GREEDY = {"temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Iterator[ExoNode]:
-    exo = start_node(tmp_path_factory.mktemp("claude") / "home", {"EXO_MODELS_DIRS": str(tiny_models_dir)})
-    try:
-        exo.place()
-        yield exo
-    finally:
-        stop_node(exo)
 
 
 def client(node: ExoNode) -> anthropic.Anthropic:

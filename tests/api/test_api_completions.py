@@ -1,6 +1,5 @@
 """OpenAI legacy Completions: the official openai SDK against one real node."""
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -11,19 +10,9 @@ from tokenizers import Tokenizer
 from exo.api.adapters.completions import CompletionEncoder, CompletionRequest, to_task_params
 from exo.shared.types.common import CommandId
 from exo.shared.types.text_generation import ChunkGenerated, Usage
-from tests.support.node import TINY_MODEL_ID, ExoNode, start_node, stop_node
+from tests.support.node import TINY_MODEL_ID, ExoNode
 
 PROMPT = "Once upon a time"
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Iterator[ExoNode]:
-    exo = start_node(tmp_path_factory.mktemp("completions") / "home", {"EXO_MODELS_DIRS": str(tiny_models_dir)})
-    try:
-        exo.place()
-        yield exo
-    finally:
-        stop_node(exo)
 
 
 def client(node: ExoNode) -> openai.OpenAI:

@@ -6,7 +6,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.node import TINY_MODEL_ID, ExoNode, start_node, stop_node
+from tests.support.node import TINY_MODEL_ID, ExoNode, running_node
 
 LIMIT = 64 * 1024
 
@@ -14,10 +14,9 @@ LIMIT = 64 * 1024
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Iterator[ExoNode]:
     env = {"EXO_MODELS_DIRS": str(tiny_models_dir), "EXO_MAX_REQUEST_BYTES": str(LIMIT)}
-    node = start_node(tmp_path_factory.mktemp("limits") / "exo_home", env, args=("--no-auto-place",))
-    node.place()
-    yield node
-    stop_node(node)
+    home = tmp_path_factory.mktemp("limits") / "exo_home"
+    with running_node(home, env, ("--no-auto-place",), [TINY_MODEL_ID]) as node:
+        yield node
 
 
 def big_chat(size: int) -> dict:

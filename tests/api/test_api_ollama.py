@@ -1,9 +1,6 @@
 """Ollama's API: the official ollama SDK pointed at http://HOST:PORT/ollama of one real
 node, and the adapter's conversions (tool calls and thinking) on hand-made chunks."""
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import ollama
 import openai
@@ -13,20 +10,10 @@ from exo.api.adapters.ollama import OllamaChatRequest, OllamaEncoder, OllamaGene
 from exo.api.adapters.ollama import generate_task_params as generate_params
 from exo.shared.types.common import CommandId
 from exo.shared.types.text_generation import ChunkGenerated, ToolCall, Usage
-from tests.support.node import TINY_MODEL_ID, ExoNode, start_node, stop_node
+from tests.support.node import TINY_MODEL_ID, ExoNode
 
 HELLO = [{"role": "user", "content": "Hello there"}]
 GREEDY = {"temperature": 0, "num_predict": 10}
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Iterator[ExoNode]:
-    exo = start_node(tmp_path_factory.mktemp("ollama") / "home", {"EXO_MODELS_DIRS": str(tiny_models_dir)})
-    try:
-        exo.place()
-        yield exo
-    finally:
-        stop_node(exo)
 
 
 def client(node: ExoNode) -> ollama.Client:

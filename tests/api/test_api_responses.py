@@ -1,9 +1,6 @@
 """OpenAI Responses: the official openai SDK against one real node, and the adapter's
 conversions (function calls and reasoning) on hand-made chunk streams."""
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import openai
 import pytest
@@ -13,19 +10,9 @@ from pydantic import TypeAdapter
 from exo.api.adapters.responses import ResponseEncoder, ResponsesRequest, to_task_params
 from exo.shared.types.common import CommandId
 from exo.shared.types.text_generation import ChunkGenerated, ToolCall, Usage
-from tests.support.node import TINY_MODEL_ID, ExoNode, start_node, stop_node
+from tests.support.node import TINY_MODEL_ID, ExoNode
 
 HELLO = [{"role": "user", "content": "Hello there"}]
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Iterator[ExoNode]:
-    exo = start_node(tmp_path_factory.mktemp("responses") / "home", {"EXO_MODELS_DIRS": str(tiny_models_dir)})
-    try:
-        exo.place()
-        yield exo
-    finally:
-        stop_node(exo)
 
 
 def client(node: ExoNode) -> openai.OpenAI:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from tests.support.node import TINY_MODEL_ID, ExoNode, start_node, stop_node
+from tests.support.node import TINY_MODEL_ID, ExoNode, running_node
 
 OPERATIONS = [
     "/v1/chat/completions",
@@ -34,10 +34,8 @@ def node(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Ite
     home = tmp_path_factory.mktemp("schemathesis") / "exo_home"
     # No hub: a closed port on loopback, so /models/add fails fast and the same way anywhere.
     env = {"EXO_MODELS_DIRS": str(tiny_models_dir), "HF_ENDPOINT": "http://127.0.0.1:9"}
-    node = start_node(home, env, args=("--no-auto-place",))
-    node.place()
-    yield node
-    stop_node(node)
+    with running_node(home, env, ("--no-auto-place",), [TINY_MODEL_ID]) as node:
+        yield node
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from exo.api.generation import auto_place_enabled
-from tests.support.node import TINY_MODEL_ID, ExoNode, start_node, stop_node
+from tests.support.node import TINY_MODEL_ID, ExoNode, running_node
 
 HUGE_CARD = {
     "model_id": "custom/far-too-big",
@@ -36,19 +36,17 @@ def wait_until_in_topology(node: ExoNode) -> None:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Iterator[ExoNode]:
     """One node, no flag: auto-placement is on because the cluster has one node."""
-    node = start_node(tmp_path_factory.mktemp("auto") / "exo_home", {"EXO_MODELS_DIRS": str(tiny_models_dir)})
-    wait_until_in_topology(node)
-    yield node
-    stop_node(node)
+    with running_node(tmp_path_factory.mktemp("auto") / "exo_home", {"EXO_MODELS_DIRS": str(tiny_models_dir)}) as node:
+        wait_until_in_topology(node)
+        yield node
 
 
 @pytest.fixture(scope="module")
 def manual_node(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Iterator[ExoNode]:
     home = tmp_path_factory.mktemp("manual") / "exo_home"
-    node = start_node(home, {"EXO_MODELS_DIRS": str(tiny_models_dir)}, args=("--no-auto-place",))
-    wait_until_in_topology(node)
-    yield node
-    stop_node(node)
+    with running_node(home, {"EXO_MODELS_DIRS": str(tiny_models_dir)}, ("--no-auto-place",)) as node:
+        wait_until_in_topology(node)
+        yield node
 
 
 def test_default_is_on_in_a_one_node_cluster_and_off_in_a_larger_one():

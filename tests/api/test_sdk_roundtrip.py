@@ -18,7 +18,7 @@ import pytest
 from exo.devtools.scripted_families import AFTER_TOOL_RESULT_SCRIPTS, FAMILY_SCRIPTS, GET_WEATHER_TOOL, PLAIN_SCRIPT
 from exo.devtools.scripted_models import make_scripted_model
 from exo.devtools.tiny_models import make_tiny_llama
-from tests.support.node import ExoNode, start_node, stop_node
+from tests.support.node import ExoNode, running_node
 
 WEATHER_MODEL = "scripted/qwen3-weather"
 PLAIN_MODEL = "scripted/qwen3-plain"
@@ -39,13 +39,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ExoNode]:
     make_scripted_model(models / "scripted--qwen3-weather", "qwen3", CALL.script, after_tool_result=ANSWER.script)
     make_scripted_model(models / "scripted--qwen3-plain", "qwen3", PLAIN_SCRIPT.script)
     make_tiny_llama(models / "acme--tiny-random")
-    exo = start_node(tmp_path_factory.mktemp("sdk") / "home", {"EXO_MODELS_DIRS": str(models)})
-    try:
-        for model in (WEATHER_MODEL, PLAIN_MODEL, RANDOM_MODEL):
-            exo.place(model)
+    home = tmp_path_factory.mktemp("sdk") / "home"
+    with running_node(home, {"EXO_MODELS_DIRS": str(models)}, models=(WEATHER_MODEL, PLAIN_MODEL, RANDOM_MODEL)) as exo:
         yield exo
-    finally:
-        stop_node(exo)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Real exo nodes as subprocesses, on free ports, each with its own EXO_HOME (the
 fixtures that start them for tests are in tests/conftest.py)."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,3 +166,18 @@ def stop_node(node: ExoNode) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(node.process.pid, signal.SIGKILL)
             node.process.wait()
+
+
+@contextlib.contextmanager
+def running_node(
+    home: Path, env_extra: dict[str, str] | None = None, args: tuple[str, ...] = (), models: Sequence[str] = ()
+) -> Iterator[ExoNode]:
+    """A started node with `models` placed and ready, stopped on the way out however the
+    body ends."""
+    node = start_node(home, env_extra, args)
+    try:
+        for model in models:
+            node.place(model)
+        yield node
+    finally:
+        stop_node(node)
