@@ -25,7 +25,7 @@ import pytest
 
 from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import make_tiny
-from exo.shared.models.model_cards import has_tensor_strategy
+from exo.shared.models.families import has_tensor_strategy
 
 PROMPT = [(i * 37 + 11) % 320 for i in range(32)]  # every tiny vocab has >= 384 tokens
 DECODE_STEPS = 16

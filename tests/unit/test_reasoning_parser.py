@@ -4,8 +4,8 @@ split its markers, and never shows or loses a partial marker."""
 import pytest
 
 from exo.engine.parsing.base import Parsed
-from exo.engine.parsing.output import THINK_MARKERS
 from exo.engine.parsing.reasoning import ReasoningParser, prompt_opens_reasoning, repair_unmatched_end
+from exo.shared.models.families import THINK_MARKERS
 
 MARKER_PAIRS = {
     "qwen": ("<think>", "</think>"),

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import pytest
 
 from exo.engine.parsing.base import Parsed
-from exo.engine.parsing.output import THINK_MARKERS, make_output_parser, tool_format_for
+from exo.engine.parsing.output import make_output_parser, tool_format_for
 from exo.engine.parsing.tool_calls import ToolCallParser, coerce_arguments, tool_call_format
+from exo.shared.models.families import THINK_MARKERS
 
 
 def function(name: str, **properties: dict) -> dict:

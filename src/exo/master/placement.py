@@ -11,6 +11,7 @@ more free memory.
 from collections.abc import Iterable, Iterator
 from itertools import combinations
 
+from exo.shared.models.families import family_facts
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.common import (
     FrozenModel,
@@ -303,12 +304,11 @@ def _structure_reason(card: ModelCard, sharding: Sharding, n: int) -> str | None
         return f"{card.model_id} does not support tensor parallelism"
     if card.hidden_size % n:
         return f"tensor parallel over {n} nodes needs hidden_size ({card.hidden_size}) divisible by {n}"
-    # DeepSeek V4 is MQA (one KV head), but its strategy splits the query and output
-    # projections by head and shards the MoE experts instead of splitting KV heads.
-    # Built-in cards name it by base model; a local model dir's card by its model_type.
-    is_deepseek_v4 = card.base_model.startswith("DeepSeek V4") or card.family == "deepseek_v4"
+    # Built-in cards name DeepSeek V4 by base model (their family is "deepseek"); a local
+    # model dir's card names its model_type, which the family table knows.
+    keeps_kv_heads = card.base_model.startswith("DeepSeek V4") or not family_facts(card.family).tensor_splits_kv_heads
     kv_heads = card.num_key_value_heads
-    if not is_deepseek_v4 and kv_heads is not None and kv_heads % n:
+    if not keeps_kv_heads and kv_heads is not None and kv_heads % n:
         return f"tensor parallel over {n} nodes needs num_key_value_heads ({kv_heads}) divisible by {n}"
     return None
 

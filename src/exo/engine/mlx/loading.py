@@ -1,6 +1,7 @@
 """Loading a model shard from an HF-layout directory with mlx-lm's model classes."""
 
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -10,27 +11,23 @@ from mlx_lm.utils import load_model, load_tokenizer
 import exo.engine.mlx.models  # noqa: F401  (registers exo's own model modules, DeepSeek V4, with mlx-lm)
 from exo.engine.base import LayerProgress
 from exo.engine.mlx.parallel import shard_model
+from exo.shared.models.families import family_facts
 from exo.shared.types.shards import ShardMetadata
 
 
 def model_layers(model: nn.Module) -> list[nn.Module]:
     # mlx-lm models expose their blocks as `.layers` on the outer or the inner model.
-    if hasattr(model, "layers"):
-        return list(model.layers)
-    return list(model.model.layers)
-
-
-# Turn ends a family's config does not list as EOS. Gemma 3/4 checkpoints name only <eos>
-# (1); the turn end (106) and the tool-response marker (50) end generation too.
-FAMILY_EOS_IDS = {model_type: (1, 106, 50) for model_type in ("gemma3", "gemma3_text", "gemma4", "gemma4_text")}
+    owner: Any = model if hasattr(model, "layers") else model.model
+    return list(owner.layers)
 
 
 def add_family_eos_ids(tokenizer: TokenizerWrapper, model_type: str) -> None:
-    """Only ids the tokenizer itself treats as special: in a small test vocabulary the
-    same numbers are ordinary tokens."""
+    """The family's turn ends that its config does not list as EOS. Only ids the
+    tokenizer itself treats as special: in a small test vocabulary the same numbers are
+    ordinary tokens."""
     added = getattr(tokenizer._tokenizer, "added_tokens_decoder", {})
     special = {token_id for token_id, token in added.items() if token.special}
-    extra = [i for i in FAMILY_EOS_IDS.get(model_type, ()) if i in special]
+    extra = [i for i in family_facts(model_type).eos_ids if i in special]
     if extra:
         tokenizer.eos_token_ids = set(tokenizer.eos_token_ids) | set(extra)
 

@@ -10,47 +10,11 @@ from exo.engine.parsing.base import Parsed, StreamParser
 from exo.engine.parsing.harmony import HarmonyParser
 from exo.engine.parsing.reasoning import ReasoningParser
 from exo.engine.parsing.tool_calls import ToolCallParser, tool_call_format
-
-# Think markers by HF config model_type. Gemma 4's start marker includes the newline its
-# template always writes after "thought", so reasoning does not begin with it.
-THINK_MARKERS: dict[str, tuple[str, str]] = {
-    **dict.fromkeys(
-        [
-            "qwen3",
-            "qwen3_moe",
-            "qwen3_next",
-            "qwen3_5",
-            "qwen3_5_moe",
-            "deepseek_v3",
-            "deepseek_v32",
-            "deepseek_v4",
-            "glm4_moe",
-            "glm4_moe_lite",
-            "minimax_m2",
-            # Kimi K2 Thinking uses plain <think>; the ◁think▷ markers are Kimi-VL's.
-            "kimi_k2",
-        ],
-        ("<think>", "</think>"),
-    ),
-    "kimi_vl": ("◁think▷", "◁/think▷"),
-    **dict.fromkeys(["gemma4", "gemma4_text"], ("<|channel>thought\n", "<channel|>")),
-}
-
-# The tool-call format when the chat template does not tell (see tool_format_for).
-_TOOL_FORMATS_BY_MODEL_TYPE = {
-    **dict.fromkeys(["qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next"], "json"),
-    **dict.fromkeys(["qwen3_5", "qwen3_5_moe"], "qwen3_coder"),
-    **dict.fromkeys(["glm4_moe", "glm4_moe_lite"], "glm47"),
-    "minimax_m2": "minimax_m2",
-    "kimi_k2": "kimi_k2",
-    **dict.fromkeys(["gemma4", "gemma4_text"], "gemma4"),
-    **dict.fromkeys(["mistral3", "ministral3"], "mistral"),
-    **dict.fromkeys(["lfm2", "lfm2_moe"], "pythonic"),
-}
+from exo.shared.models.families import family_facts
 
 
 def think_markers_for(model_type: str) -> tuple[str, str] | None:
-    return THINK_MARKERS.get(model_type)
+    return family_facts(model_type).think_markers
 
 
 class _TemplateOnly:
@@ -72,9 +36,10 @@ def tool_format_for(model_type: str, chat_template: str | None) -> str | None:
     mlx-lm knows and we have no name for comes back as its mlx-lm module name, which
     make_output_parser also accepts."""
     template = chat_template or ""
-    if model_type == "gpt_oss" or ("<|channel|>" in template and "<|message|>" in template):
+    by_model_type = family_facts(model_type).tool_format
+    if by_model_type == "harmony" or ("<|channel|>" in template and "<|message|>" in template):
         return "harmony"
-    if model_type in ("deepseek_v32", "deepseek_v4") or "｜DSML｜" in template:
+    if by_model_type == "dsml" or "｜DSML｜" in template:
         return "dsml"
     if template:
         from mlx_lm.tokenizer_utils import _infer_tool_parser
@@ -82,7 +47,7 @@ def tool_format_for(model_type: str, chat_template: str | None) -> str | None:
         inferred = _infer_tool_parser(_TemplateOnly(template))
         if inferred is not None:
             return "json" if inferred == "json_tools" else inferred
-    return _TOOL_FORMATS_BY_MODEL_TYPE.get(model_type)
+    return by_model_type
 
 
 class OutputParser:
