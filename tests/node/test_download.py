@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from exo.catalog.catalog import local_cards
+from exo.catalog.model_dirs import find_local_model_dir, is_complete_model_dir
 from exo.devtools.tiny_models import make_tiny_llama
-from exo.shared.models.model_cards import find_local_model_dir, is_complete_model_dir, local_cards
 from exo.worker import download
 from exo.worker.download import (
     DownloadError,

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
+from exo.catalog.cards import card_from_model_dir
 from exo.engine.mlx.engine import MlxEngine
-from exo.shared.models.model_cards import card_from_model_dir
 from exo.shared.types.shards import PipelineShardMetadata
 
 

@@ -6,8 +6,9 @@ import typing
 
 import pytest
 
+from exo.catalog.cards import builtin_cards
 from exo.shared.apply import EventOrderError, apply, apply_event
-from exo.shared.models.model_cards import ModelCard, builtin_cards
+from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.common import (
     CommandId,
     InstanceId,

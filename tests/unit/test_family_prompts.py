@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from exo.catalog.cards import builtin_cards, card_from_model_dir
 from exo.devtools.scripted_families import FAMILIES, FAMILY_SCRIPTS, GET_WEATHER_TOOL
 from exo.devtools.scripted_models import make_scripted_model
 from exo.engine.mlx.chat_template import render_prompt
-from exo.shared.models.model_cards import ReasoningDialect, builtin_cards, card_from_model_dir
+from exo.shared.models.model_cards import ReasoningDialect
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 

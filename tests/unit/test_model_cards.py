@@ -1,28 +1,22 @@
-"""Model cards: the built-in TOML cards carry the seeds' values, and local model dirs
-appear as cards without any network call."""
+"""Model cards: the built-in TOML cards carry the seeds' values, local model dirs appear
+as cards without any network call, and the catalog serves them from memory."""
 
+import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from exo.shared.models import model_cards
-from exo.shared.models.model_cards import (
-    ModelCard,
-    ModelTask,
-    ReasoningDialect,
-    all_cards,
-    builtin_cards,
-    card_from_model_dir,
-    find_local_model_dir,
-    is_complete_model_dir,
-    kv_sharing_tail_start,
-    local_cards,
-    models_dirs,
-    read_only_models_dirs,
-)
+from exo.catalog import cards as catalog_cards
+from exo.catalog import catalog
+from exo.catalog.cards import builtin_cards, card_from_model_dir, kv_sharing_tail_start
+from exo.catalog.catalog import Catalog, all_cards, local_cards
+from exo.catalog.model_dirs import find_local_model_dir, is_complete_model_dir, models_dirs, read_only_models_dirs
+from exo.shared.models.model_cards import ModelCard, ModelTask, ReasoningDialect, StorageSize
+from exo.shared.types.common import ModelId
 
 # (n_layers, hidden_size, num_key_value_heads, context_length), from the Gemma 4 seed.
 GEMMA_4 = {
@@ -170,7 +164,7 @@ def test_seed_changed_cards_have_the_seed_reasoning_dialect():
 def test_malformed_card_file_names_the_file(tmp_path, monkeypatch, text):
     (tmp_path / "model_cards").mkdir()
     (tmp_path / "model_cards" / "acme--broken.toml").write_text(text)
-    monkeypatch.setattr(model_cards, "_resource_dir", lambda name: tmp_path / name)
+    monkeypatch.setattr(catalog_cards, "resource_dir", lambda name: tmp_path / name)
     builtin_cards.cache_clear()
 
     # A failed load is not cached, so later tests read the real cards again.
@@ -308,3 +302,86 @@ def test_writable_dir_is_searched_before_read_only_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("EXO_MODELS_READ_ONLY_DIRS", str(shared))
 
     assert find_local_model_dir("acme/tiny", home) == home / "models" / "acme--tiny"
+
+
+# The catalog serves cards from memory: a request reads no directory and no config.json;
+# a change in a models dir shows after the next refresh, which rescans only on a change.
+
+
+def _no_disk(*args, **kwargs):
+    raise AssertionError("the catalog read the disk")
+
+
+def test_cards_are_served_from_memory(tmp_path, monkeypatch):
+    write_tiny_model(tmp_path / "models" / "acme--tiny")
+    node_catalog = Catalog(tmp_path)
+    monkeypatch.setattr(catalog, "_local_models", _no_disk)
+    monkeypatch.setattr(catalog, "models_dirs_stamp", _no_disk)
+
+    assert "acme/tiny" in node_catalog.cards({})
+    assert "mlx-community/gemma-4-e2b-it-4bit" in node_catalog.cards({})
+    assert node_catalog.local_model_ids() >= {"acme/tiny", "exo/demo-chat"}
+    assert node_catalog.local_model_dir("acme/tiny") == tmp_path / "models" / "acme--tiny"
+    assert node_catalog.local_model_dir("mlx-community/gemma-4-e2b-it-4bit") is None
+
+
+def test_custom_cards_win(tmp_path):
+    write_tiny_model(tmp_path / "models" / "acme--tiny")
+    custom = ModelCard(
+        model_id="acme/tiny",
+        n_layers=7,
+        hidden_size=8,
+        tasks=[ModelTask.TextGeneration],
+        storage_size=StorageSize(in_bytes=1),
+    )
+
+    assert Catalog(tmp_path).cards({ModelId("acme/tiny"): custom})["acme/tiny"] == custom
+
+
+def test_refresh_rescans_only_when_a_models_dir_changed(tmp_path, monkeypatch):
+    node_catalog = Catalog(tmp_path)
+    assert "acme/tiny" not in node_catalog.cards({})
+
+    write_tiny_model(tmp_path / "models" / "acme--tiny")
+    assert "acme/tiny" not in node_catalog.cards({})
+    node_catalog.refresh()
+    assert "acme/tiny" in node_catalog.cards({})
+
+    with monkeypatch.context() as patch:
+        patch.setattr(catalog, "_local_models", _no_disk)
+        node_catalog.refresh()  # nothing changed: no rescan
+
+    shutil.rmtree(tmp_path / "models" / "acme--tiny")
+    node_catalog.refresh()
+    assert "acme/tiny" not in node_catalog.cards({})
+    assert node_catalog.local_model_dir("acme/tiny") is None
+
+
+def test_a_model_completed_in_place_appears(tmp_path):
+    model_dir = tmp_path / "models" / "acme--tiny"
+    write_tiny_model(model_dir)
+    tokenizer = (model_dir / "tokenizer_config.json").read_text()
+    (model_dir / "tokenizer_config.json").unlink()
+    node_catalog = Catalog(tmp_path)
+    assert "acme/tiny" not in node_catalog.cards({})
+
+    (model_dir / "tokenizer_config.json").write_text(tokenizer)
+    node_catalog.refresh()
+    assert "acme/tiny" in node_catalog.cards({})
+
+
+def test_watch_refreshes_in_the_background(tmp_path, monkeypatch):
+    monkeypatch.setattr(catalog, "WATCH_SECONDS", 0.01)
+    node_catalog = Catalog(tmp_path)
+
+    async def main() -> None:
+        watch = asyncio.create_task(node_catalog.watch())
+        write_tiny_model(tmp_path / "models" / "acme--tiny")
+        for _ in range(500):
+            if "acme/tiny" in node_catalog.cards({}):
+                break
+            await asyncio.sleep(0.01)
+        watch.cancel()
+
+    asyncio.run(main())
+    assert "acme/tiny" in node_catalog.cards({})

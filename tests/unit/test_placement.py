@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from exo.master.master import least_loaded_instance
+from exo.catalog.cards import builtin_cards
 from exo.master.placement import (
     RING_BASE_PORT,
     RUNTIME_OVERHEAD_BYTES,
@@ -21,8 +21,8 @@ from exo.shared.models.model_cards import (
     ModelCard,
     ModelTask,
     StorageSize,
-    builtin_cards,
 )
+from exo.shared.queries import least_loaded_instance
 from exo.shared.types.common import (
     CommandId,
     InstanceId,
@@ -382,8 +382,8 @@ def test_deepseek_v4_is_exempt_from_the_kv_head_rule():
 
 
 def test_a_local_deepseek_v4_dir_is_exempt_too(tmp_path):
+    from exo.catalog.cards import card_from_model_dir
     from exo.devtools.tiny_models import make_tiny
-    from exo.shared.models.model_cards import card_from_model_dir
 
     card = card_from_model_dir(make_tiny(tmp_path / "acme--v4", "deepseek_v4"), "acme/v4")
     assert card.num_key_value_heads == 1 and card.supports_tensor

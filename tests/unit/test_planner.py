@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from exo.shared.models.model_cards import ModelCard, builtin_cards
+from exo.catalog.cards import builtin_cards
+from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.common import (
     CommandId,
     InstanceId,

@@ -14,11 +14,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from exo.catalog.cards import card_from_model_dir
 from exo.engine.mlx.engine import prefill_chunk
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.parallel import connect_group
 from exo.master.placement import split_layers
-from exo.catalog.cards import card_from_model_dir
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.instances import Instance, ShardAssignments, Sharding
 from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata

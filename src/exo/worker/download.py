@@ -37,7 +37,9 @@ from typing import Any, TypeVar
 
 from loguru import logger
 
-from exo.shared.models.model_cards import ModelCard, card_from_config, is_complete_model_dir, model_dir_name
+from exo.catalog.cards import card_from_config
+from exo.catalog.model_dirs import is_complete_model_dir, model_dir_name
+from exo.shared.models.model_cards import ModelCard
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 POLL_SECONDS = 0.5

@@ -10,9 +10,9 @@ import httpx
 import psutil
 from loguru import logger
 
+from exo.catalog.model_dirs import find_local_model_dir, models_dirs
 from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
-from exo.shared.models.model_cards import find_local_model_dir, models_dirs
 from exo.shared.types.commands import DeleteInstance
 from exo.shared.types.common import ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.downloads import (

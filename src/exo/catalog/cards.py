@@ -1,0 +1,98 @@
+"""Making cards: the built-in ones from their TOML files, the others from a model's
+config.json (read from a model dir, or fetched from the hub)."""
+
+import functools
+import json
+import tomllib
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from exo.catalog.model_dirs import resource_dir, weight_files
+from exo.shared.models.families import family_facts, has_tensor_strategy
+from exo.shared.models.model_cards import ModelCard, ModelTask, StorageSize
+
+
+def _load_card_file(path: Path) -> ModelCard:
+    try:
+        return ModelCard.model_validate(tomllib.loads(path.read_text()))
+    except (tomllib.TOMLDecodeError, ValidationError) as error:
+        raise ValueError(f"malformed model card {path}: {error}") from error
+
+
+@functools.cache
+def builtin_cards() -> dict[str, ModelCard]:
+    """The cards shipped in exo/resources/model_cards, read once."""
+    cards: dict[str, ModelCard] = {}
+    for path in sorted(resource_dir("model_cards").glob("*.toml")):
+        card = _load_card_file(path)
+        if card.model_id in cards:
+            raise ValueError(f"model card {path} repeats model_id {card.model_id}")
+        cards[card.model_id] = card
+    return cards
+
+
+def _config_value(config: dict, key: str) -> int | None:
+    # Multimodal configs (Gemma 4, Qwen-VL) keep the language model's numbers in text_config.
+    if key in config:
+        return config[key]
+    return config.get("text_config", {}).get(key)
+
+
+def kv_sharing_tail_start(config: dict) -> int | None:
+    """The first layer whose keys and values a KV-shared layer reads (None without KV
+    sharing): each shared layer reuses the last unshared layer of its own attention type."""
+    text = config.get("text_config", config)
+    n_layers, n_shared = text.get("num_hidden_layers"), text.get("num_kv_shared_layers") or 0
+    if not n_layers or n_shared <= 0 or n_shared >= n_layers:
+        return None
+    layer_types = text.get("layer_types")
+    if not layer_types or len(layer_types) != n_layers:
+        # As mlx-lm fills them in: (pattern - 1) sliding layers, then one full layer.
+        pattern = text.get("sliding_window_pattern") or 5
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+    first_shared = n_layers - n_shared
+    last_of_type = {kind: i for i, kind in enumerate(layer_types[:first_shared])}
+    sources = [last_of_type[kind] for kind in set(layer_types[first_shared:]) if kind in last_of_type]
+    return min(sources, default=None)
+
+
+def card_from_config(config: dict, model_id: str, weight_bytes: int) -> ModelCard:
+    """A card from a model's config.json and the size of its weights (on disk, or as the
+    hub lists them); what the family table knows about its model_type fills the rest."""
+    n_layers = _config_value(config, "num_hidden_layers")
+    hidden_size = _config_value(config, "hidden_size")
+    if n_layers is None or hidden_size is None:
+        raise ValueError("config.json has no num_hidden_layers or hidden_size")
+    # Configs without num_key_value_heads use plain multi-head attention.
+    kv_heads = _config_value(config, "num_key_value_heads") or _config_value(config, "num_attention_heads")
+    quantization = config.get("quantization") or config.get("quantization_config") or {}
+    bits = quantization.get("bits")
+    capabilities = ["text", "vision"] if "vision_config" in config else ["text"]
+    model_type = config.get("model_type", "")
+    facts = family_facts(model_type)
+    return ModelCard(
+        model_id=model_id,
+        n_layers=n_layers,
+        hidden_size=hidden_size,
+        num_key_value_heads=kv_heads,
+        supports_tensor=has_tensor_strategy(model_type),
+        tasks=[ModelTask.TextGeneration],
+        family=model_type,
+        quantization=f"{bits}bit" if bits else "",
+        capabilities=capabilities,
+        reasoning_dialect=facts.reasoning_dialect,
+        context_length=_config_value(config, "max_position_embeddings"),
+        storage_size=StorageSize(in_bytes=weight_bytes),
+        pipeline_tail_start=kv_sharing_tail_start(config),
+    )
+
+
+def card_from_model_dir(model_dir: Path, model_id: str) -> ModelCard:
+    """A card derived from config.json alone, for models exo has no built-in card for."""
+    config = json.loads((model_dir / "config.json").read_text())
+    weight_bytes = sum(path.stat().st_size for path in weight_files(model_dir) or [])
+    try:
+        return card_from_config(config, model_id, weight_bytes)
+    except ValueError as error:
+        raise ValueError(f"{model_dir / 'config.json'}: {error}") from error
