@@ -2,20 +2,29 @@
 together over the router."""
 
 import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 from loguru import logger
 
+from exo.api.app import create_app
+from exo.api.placing import place_model
+from exo.api.port import ApiSettings
+from exo.catalog.catalog import Catalog
 from exo.master.master import Master
+from exo.routing.chunk_streams import ChunkStreams
 from exo.routing.election import Election
 from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
 from exo.routing.zenoh_transport import ZenohTransport
-from exo.shared.models.model_cards import ModelCard, all_cards
+from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.commands import Command
-from exo.shared.types.common import NodeId, new_id
+from exo.shared.types.common import CommandId, NodeId, new_id
+from exo.shared.types.events import IndexedEvent
+from exo.shared.types.state import State
+from exo.shared.types.text_generation import ChunkGenerated
 from exo.worker.worker import Worker
 
 
@@ -66,6 +75,8 @@ class Node:
         )
         self.router = Router(self.node_id, transport)
         self.replica = StateReplica(self.router, config.exo_home / "data" / "event_log.jsonl")
+        self.catalog = Catalog(config.exo_home)
+        self.chunk_streams = ChunkStreams(self.router)
         self.master: Master | None = None
         self._master_task: asyncio.Task[None] | None = None
         self.worker = (
@@ -84,13 +95,48 @@ class Node:
         self.election = Election(self.node_id, self.session_id, self.router, self._on_elected, config.force_master)
         self._tasks: list[asyncio.Task[None]] = []
 
-    def cards(self) -> dict[str, ModelCard]:
-        """Built-in and local cards, and the custom ones the cluster was given."""
-        return {**all_cards(self.config.exo_home), **self.replica.state.custom_model_cards}
+    # The API's port to the cluster (exo.api.port.ClusterPort).
+
+    @property
+    def settings(self) -> ApiSettings:
+        return ApiSettings(offline=self.config.offline, auto_place=self.config.auto_place)
+
+    @property
+    def state(self) -> State:
+        return self.replica.state
+
+    @property
+    def history(self) -> Sequence[IndexedEvent]:
+        return self.replica.history
+
+    async def wait_for(self, condition: Callable[[State], bool], timeout: float) -> State:
+        return await self.replica.wait_for(condition, timeout)
 
     def send_command(self, command: Command) -> None:
         self.election.commands_seen += 1
         self.router.publish(Topic.COMMANDS, command)
+
+    def cards(self) -> dict[str, ModelCard]:
+        """Built-in and local cards, and the custom ones the cluster was given."""
+        return self.catalog.cards(self.replica.state.custom_model_cards)
+
+    def local_model_ids(self) -> set[str]:
+        return self.catalog.local_model_ids()
+
+    def local_model_dir(self, model_id: str) -> Path | None:
+        return self.catalog.local_model_dir(model_id)
+
+    def open_chunks(self, command_id: CommandId) -> asyncio.Queue[ChunkGenerated]:
+        return self.chunk_streams.open(command_id)
+
+    def close_chunks(self, command_id: CommandId) -> None:
+        self.chunk_streams.close(command_id)
+
+    def chunks_open(self, command_id: CommandId) -> bool:
+        return self.chunk_streams.is_open(command_id)
+
+    def publish_chunk(self, chunk: ChunkGenerated) -> None:
+        self.router.publish(Topic.CHUNKS, chunk)
 
     async def _on_elected(self, master_id: NodeId) -> None:
         if master_id == self.node_id and self.master is None:
@@ -110,11 +156,11 @@ class Node:
             self.worker.report_runner_statuses()
 
     async def run(self) -> None:
-        from exo.api.app import create_app
-
         self.router.start()
         self._tasks.append(asyncio.create_task(self.replica.run(), name="replica"))
         self._tasks.append(asyncio.create_task(self.election.run(), name="election"))
+        self._tasks.append(asyncio.create_task(self.catalog.watch(), name="catalog"))
+        self._tasks.append(asyncio.create_task(self.chunk_streams.run(), name="chunk-streams"))
         if self.worker is not None:
             self._tasks.append(asyncio.create_task(self.worker.run(), name="worker"))
         server = uvicorn.Server(
@@ -137,8 +183,6 @@ class Node:
             await self.close()
 
     async def _place_on_start(self, model_id: str) -> None:
-        from exo.api.routers.cluster import place_model
-
         await self.replica.wait_for(lambda s: self.node_id in s.nodes, timeout=60)
         if any(i.model_id == model_id for i in self.replica.state.instances.values()):
             return

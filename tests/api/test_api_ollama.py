@@ -139,16 +139,16 @@ def test_requests_convert_tools_thinking_images_and_raw_prompts():
 
 
 def test_thinking_and_tool_call_chunks_become_ollama_messages():
-    encoder = OllamaEncoder("m", "chat", started_ns=0)
+    encoder = OllamaEncoder("m", "chat", started_ns=0, clock=lambda: 10)
     chunk = ChunkGenerated(command_id=CommandId("c"), reasoning="hmm")
-    assert encoder.feed(chunk, 1)[0]["message"] == {"role": "assistant", "content": "", "thinking": "hmm"}
+    assert encoder.feed(chunk)[0]["message"] == {"role": "assistant", "content": "", "thinking": "hmm"}
     last = ChunkGenerated(
         command_id=CommandId("c"),
         tool_calls=[ToolCall(id="x", name="get_weather", arguments='{"city": "Oslo"}')],
         finish_reason="tool_calls",
         usage=Usage(prompt_tokens=3, completion_tokens=4),
     )
-    objects = encoder.feed(last, 10)
+    objects = encoder.feed(last)
     assert objects[0]["message"]["tool_calls"] == [{"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
     assert objects[1]["done"] and objects[1]["done_reason"] == "stop" and objects[1]["eval_count"] == 4
     body = ollama.ChatResponse.model_validate(encoder.body())

@@ -180,7 +180,7 @@ def test_reasoning_text_and_function_call_chunks_become_items_in_order():
     # Every event parses as the SDK's own types.
     parsed = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in events]
     assert [p.output_index for p in parsed if p.type == "response.output_item.added"] == [0, 1, 2]
-    final = Response.model_validate(encoder.response())
+    final = Response.model_validate(encoder.body())
     assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
     assert final.output[0].content[0].text == "Thinking."
     assert final.output_text == "Calling."

@@ -5,12 +5,12 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from exo.api.generation import auto_place_enabled
+from exo.api.placing import auto_place_enabled
+from exo.shared.types.state import State
 from tests.support.node import TINY_MODEL_ID, ExoNode, running_node
 
 HUGE_CARD = {
@@ -50,16 +50,13 @@ def manual_node(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path)
 
 
 def test_default_is_on_in_a_one_node_cluster_and_off_in_a_larger_one():
-    def node_with(nodes: int, flag: bool | None) -> SimpleNamespace:
-        return SimpleNamespace(
-            config=SimpleNamespace(auto_place=flag),
-            replica=SimpleNamespace(state=SimpleNamespace(nodes={f"n{i}": None for i in range(nodes)})),
-        )
+    def nodes(count: int) -> State:
+        return State.model_construct(nodes={f"n{i}": None for i in range(count)})
 
-    assert auto_place_enabled(node_with(1, None))
-    assert not auto_place_enabled(node_with(2, None))
-    assert auto_place_enabled(node_with(2, True))
-    assert not auto_place_enabled(node_with(1, False))
+    assert auto_place_enabled(None, nodes(1))
+    assert not auto_place_enabled(None, nodes(2))
+    assert auto_place_enabled(True, nodes(2))
+    assert not auto_place_enabled(False, nodes(1))
 
 
 def test_unknown_model_stays_a_404(node: ExoNode):

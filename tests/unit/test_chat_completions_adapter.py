@@ -7,7 +7,12 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import ValidationError
 
-from exo.api.adapters.chat_completions import ChatCompletionRequest, ChunkEncoder, completion_body, to_task_params
+from exo.api.adapters.chat_completions import (
+    ChatCompletionEncoder,
+    ChatCompletionRequest,
+    completion_body,
+    to_task_params,
+)
 from exo.shared.types.common import CommandId
 from exo.shared.types.text_generation import ChunkGenerated, PrefillProgress, ToolCall, Usage
 
@@ -26,8 +31,8 @@ def finished(reason: str = "stop", **fields) -> ChunkGenerated:
 
 
 def stream(chunks: list[ChunkGenerated], include_usage: bool = True) -> list[str]:
-    encoder = ChunkEncoder("chatcmpl-1", "tiny/model", include_usage)
-    return [line for c in chunks for line in encoder.encode(c)]
+    encoder = ChatCompletionEncoder("chatcmpl-1", "tiny/model", include_usage)
+    return [encoder.wire(event) for c in chunks for event in encoder.feed(c)]
 
 
 def data_events(lines: list[str]) -> list[ChatCompletionChunk]:

@@ -1,9 +1,5 @@
 """The HTTP API every node serves."""
 
-import asyncio
-from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
-
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -19,27 +15,16 @@ from exo.api.errors import (
     validation_error_handler,
 )
 from exo.api.limits import RequestSizeLimit, max_request_bytes
+from exo.api.placing import AutoPlacer
+from exo.api.port import ClusterPort
 from exo.api.routers import cancel, claude, cluster, completions, ollama, openai_chat, responses
-from exo.routing.chunk_streams import ChunkStreams
-
-if TYPE_CHECKING:
-    from exo.node import Node
 
 
-def create_app(node: "Node") -> FastAPI:
-    chunk_streams = ChunkStreams(node.router)
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        task = asyncio.create_task(chunk_streams.run(), name="chunk-streams")
-        yield
-        task.cancel()
-
-    app = FastAPI(title="exo", lifespan=lifespan)
-    app.state.node = node
-    app.state.chunk_streams = chunk_streams
-    # Models this node placed for a request, until the instance shows in State.
-    app.state.placing = {}
+def create_app(port: ClusterPort) -> FastAPI:
+    """The app serving every API family against this port to the cluster."""
+    app = FastAPI(title="exo")
+    app.state.cluster = port
+    app.state.auto_placer = AutoPlacer()
     app.add_middleware(RequestSizeLimit, limit=max_request_bytes())
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     app.add_exception_handler(ApiError, api_error_handler)

@@ -66,11 +66,16 @@ def error_response(
     return JSONResponse(body, status_code=status_code)
 
 
-async def api_error_handler(request: Request, error: ApiError) -> JSONResponse:
+# Starlette hands every handler a plain Exception; each is registered for one class.
+
+
+async def api_error_handler(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, ApiError)
     return error_response(request, error.status_code, error.message, code=error.code, param=error.param)
 
 
-async def validation_error_handler(request: Request, error: RequestValidationError) -> JSONResponse:
+async def validation_error_handler(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, RequestValidationError)
     problems = error.errors()
     first = problems[0] if problems else {}
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
@@ -86,7 +91,8 @@ async def validation_error_handler(request: Request, error: RequestValidationErr
     return error_response(request, 400, message, "invalid_request_error", "invalid_request", param)
 
 
-async def http_error_handler(request: Request, error: StarletteHTTPException) -> JSONResponse:
+async def http_error_handler(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, StarletteHTTPException)
     detail = error.detail if isinstance(error.detail, str) else json.dumps(error.detail)
     return error_response(request, error.status_code, detail)
 

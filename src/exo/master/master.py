@@ -7,8 +7,9 @@ from collections.abc import Callable
 from loguru import logger
 
 from exo.master.placement import PlacementError, instance_problem, place_instance
+from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
-from exo.shared.replica import StateReplica
+from exo.shared.queries import least_loaded_instance
 from exo.shared.types.commands import (
     AddCustomModelCard,
     Command,
@@ -41,7 +42,6 @@ from exo.shared.types.events import (
     TaskStatusUpdated,
 )
 from exo.shared.types.instances import Instance
-from exo.shared.types.runners import SERVING_STATUSES
 from exo.shared.types.state import State
 from exo.shared.types.tasks import (
     FINISHED_TASK_STATUSES,
@@ -200,27 +200,3 @@ class Master:
             Topic.CHUNKS,
             ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message),
         )
-
-
-def least_loaded_instance(state: State, model_id: ModelId) -> InstanceId | None:
-    """The serving instance of this model with the fewest unfinished tasks."""
-    candidates = [
-        instance_id
-        for instance_id, instance in state.instances.items()
-        if instance.model_id == model_id
-        and all(
-            isinstance(state.runners.get(runner_id), SERVING_STATUSES)
-            for runner_id in instance.shard_assignments.runner_to_shard
-        )
-    ]
-    if not candidates:
-        return None
-
-    def load(instance_id: InstanceId) -> int:
-        return sum(
-            1
-            for task in state.tasks.values()
-            if task.instance_id == instance_id and task.status not in FINISHED_TASK_STATUSES
-        )
-
-    return min(candidates, key=lambda instance_id: (load(instance_id), instance_id))

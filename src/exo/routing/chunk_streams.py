@@ -1,7 +1,6 @@
 """Delivers ChunkGenerated messages from the chunks topic to the request that asked."""
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
 
 from exo.routing.router import Router, Topic
 from exo.shared.types.common import CommandId
@@ -31,16 +30,3 @@ class ChunkStreams:
 
     def close(self, command_id: CommandId) -> None:
         self._streams.pop(command_id, None)
-
-    async def until_finished(
-        self, queue: asyncio.Queue[ChunkGenerated], already_taken: Sequence[ChunkGenerated] = ()
-    ) -> AsyncIterator[ChunkGenerated]:
-        for chunk in already_taken:
-            yield chunk
-            if chunk.finish_reason is not None:
-                return
-        while True:
-            chunk = await queue.get()
-            yield chunk
-            if chunk.finish_reason is not None:
-                return

@@ -1,12 +1,12 @@
 """OpenAI Chat Completions <-> the internal task params and chunk stream. Pure functions."""
 
-import json
 import time
 from typing import Annotated, Any, Literal
 
 from llguidance import LLMatcher
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
+from exo.api.adapters.wire import OPENAI_DONE, Encoder, Event, sse_data
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,
@@ -178,20 +178,24 @@ def tool_call_body(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-class ChunkEncoder:
-    """Turns one request's chunk stream into chat.completion.chunk SSE lines."""
+class ChatCompletionEncoder(Encoder):
+    """Turns one request's chunks into chat.completion.chunk events, and keeps them so the
+    same pass gives the chat.completion body."""
 
-    def __init__(self, completion_id: str, model: str, include_usage: bool) -> None:
+    closing = OPENAI_DONE
+
+    def __init__(self, completion_id: str, model: str, include_usage: bool = False) -> None:
         self.completion_id = completion_id
         self.model = model
         self.include_usage = include_usage
         self.created = int(time.time())
+        self.chunks: list[ChunkGenerated] = []
         self._sent_role = False
         # OpenAI numbers streamed tool calls across the whole response, not per chunk.
         self._tool_calls_sent = 0
 
-    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> str:
-        body = {
+    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> Event:
+        return {
             "id": self.completion_id,
             "object": "chat.completion.chunk",
             "created": self.created,
@@ -199,22 +203,23 @@ class ChunkEncoder:
             "choices": choices,
             **extra,
         }
-        return f"data: {json.dumps(body)}\n\n"
 
-    def encode(self, chunk: ChunkGenerated) -> list[str]:
+    def wire(self, event: Event) -> str:
+        # A comment: SDKs ignore it, and it keeps proxies from timing out a long prefill.
+        return f": {event['comment']}\n\n" if "comment" in event else sse_data(event)
+
+    def feed(self, chunk: ChunkGenerated) -> list[Event]:
+        self.chunks.append(chunk)
         if chunk.finish_reason == "error":
             message = chunk.error_message or "generation failed"
-            return [
-                f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': 'generation_failed'}})}\n\n"
-            ]
+            return [{"error": {"message": message, "type": "server_error", "param": None, "code": "generation_failed"}}]
         progress = chunk.prefill
         if (
             progress is not None
             and chunk.finish_reason is None
             and not (chunk.text or chunk.reasoning or chunk.tool_calls)
         ):
-            # An SSE comment: SDKs ignore it, and it keeps proxies from timing out a long prefill.
-            return [f": prefill {progress.processed_tokens}/{progress.total_tokens}\n\n"]
+            return [{"comment": f"prefill {progress.processed_tokens}/{progress.total_tokens}"}]
         events = []
         delta: dict[str, Any] = {}
         if not self._sent_role:
@@ -241,6 +246,9 @@ class ChunkEncoder:
         if chunk.finish_reason is not None and self.include_usage and chunk.usage is not None:
             events.append(self._event([], usage=usage_body(chunk.usage)))
         return events
+
+    def body(self) -> Event:
+        return completion_body(self.completion_id, self.model, self.chunks)
 
 
 def completion_body(completion_id: str, model: str, chunks: list[ChunkGenerated]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from exo.api.adapters.wire import Encoder, Event, sse_typed
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, FinishReason, TextGenerationTaskParams
 
@@ -197,11 +198,7 @@ def stop_reason(finish_reason: FinishReason | None, stop_sequence: str | None = 
     return reasons.get(finish_reason or "stop", "end_turn")
 
 
-def sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-
-
-class MessageEncoder:
+class MessageEncoder(Encoder):
     """Turns one request's chunks into Messages stream events, and keeps the content
     blocks so the same pass also gives the non-streaming body."""
 
@@ -290,7 +287,10 @@ class MessageEncoder:
             events += [{"type": "message_delta", "delta": delta, "usage": usage}, {"type": "message_stop"}]
         return events
 
-    def body(self) -> dict[str, Any]:
+    def wire(self, event: Event) -> str:
+        return sse_typed(event)
+
+    def body(self) -> Event:
         return self._message()
 
 

@@ -1,12 +1,12 @@
 """OpenAI legacy Completions <-> the internal task params and chunk stream. Pure functions."""
 
-import json
 import time
 from typing import Any, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from exo.api.adapters.chat_completions import LogitBias, usage_body
+from exo.api.adapters.wire import OPENAI_DONE, Encoder, Event, sse_data
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,
@@ -99,7 +99,9 @@ def finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else "length" if reason == "length" else "stop"
 
 
-class CompletionEncoder:
+class CompletionEncoder(Encoder):
+    closing = OPENAI_DONE
+
     """Turns one request's chunks into text_completion stream events, and keeps the text
     so the same pass gives the non-streaming body. `echo` is the prompt text to send first."""
 
@@ -146,7 +148,10 @@ class CompletionEncoder:
                 events.append(self._body([], usage=usage_body(chunk.usage)))
         return events
 
-    def body(self) -> dict[str, Any]:
+    def wire(self, event: Event) -> str:
+        return sse_data(event)
+
+    def body(self) -> Event:
         logprobs = legacy_logprobs(self._logprobs) if self._logprobs else None
         choice = {"index": 0, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason}
         usage = self.usage or Usage(prompt_tokens=0, completion_tokens=0)
@@ -165,7 +170,3 @@ def legacy_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
         "top_logprobs": [{alt.token: alt.logprob for alt in entry.top_logprobs} for entry in entries],
         "text_offset": offsets,
     }
-
-
-def sse(event: dict[str, Any]) -> str:
-    return f"data: {json.dumps(event)}\n\n"

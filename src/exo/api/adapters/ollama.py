@@ -2,11 +2,14 @@
 and the model listings. Pure functions."""
 
 import json
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from exo.api.adapters.wire import NDJSON, Encoder, Event, ndjson
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, TextGenerationTaskParams, Usage
@@ -120,14 +123,23 @@ def now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-class OllamaEncoder:
+class OllamaEncoder(Encoder):
     """Turns one request's chunks into Ollama's NDJSON objects, and keeps the answer so
     the same pass gives the non-streaming body."""
 
-    def __init__(self, model: str, kind: Literal["chat", "generate"], started_ns: int) -> None:
+    media_type = NDJSON
+
+    def __init__(
+        self,
+        model: str,
+        kind: Literal["chat", "generate"],
+        started_ns: int,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
         self.model = model
         self.kind = kind
         self.started_ns = started_ns
+        self.clock = clock
         self.text = ""
         self.thinking = ""
         self.tool_calls: list[dict[str, Any]] = []
@@ -149,7 +161,7 @@ class OllamaEncoder:
                 body["thinking"] = thinking
         return {**body, "done": done}
 
-    def feed(self, chunk: ChunkGenerated, now_ns: int) -> list[dict[str, Any]]:
+    def feed(self, chunk: ChunkGenerated) -> list[Event]:
         if chunk.finish_reason == "error":
             self.error = chunk.error_message or "generation failed"
             return [{"error": self.error}]
@@ -163,7 +175,7 @@ class OllamaEncoder:
         if chunk.text or chunk.reasoning or calls:
             objects.append(self._object(chunk.text, chunk.reasoning, calls, done=False))
         if chunk.finish_reason is not None:
-            self.final = self._final_fields(chunk, now_ns)
+            self.final = self._final_fields(chunk, self.clock())
             objects.append({**self._object("", "", [], done=True), **self.final})
         return objects
 
@@ -182,7 +194,10 @@ class OllamaEncoder:
             "eval_duration": eval_ns,
         }
 
-    def body(self) -> dict[str, Any]:
+    def wire(self, event: Event) -> str:
+        return ndjson(event)
+
+    def body(self) -> Event:
         return {**self._object(self.text, self.thinking, self.tool_calls, done=True), **self.final}
 
 
@@ -192,10 +207,6 @@ def _arguments(arguments: str) -> dict[str, Any]:
     except json.JSONDecodeError:
         return {}
     return parsed if isinstance(parsed, dict) else {}
-
-
-def ndjson(body: dict[str, Any]) -> str:
-    return json.dumps(body) + "\n"
 
 
 def details(card: ModelCard) -> dict[str, Any]:

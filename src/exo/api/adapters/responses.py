@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from exo.api.adapters.wire import Encoder, Event, sse_typed
 from exo.shared.types.common import ModelId, new_id
 from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, TextGenerationTaskParams
 
@@ -135,7 +136,7 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
     )
 
 
-class ResponseEncoder:
+class ResponseEncoder(Encoder):
     """Turns one request's chunks into Responses stream events (numbered), and keeps the
     output items so the same pass gives the final response object."""
 
@@ -150,7 +151,10 @@ class ResponseEncoder:
         self._open: Literal["message", "reasoning"] | None = None
         self._sequence = 0
 
-    def response(self) -> dict[str, Any]:
+    def wire(self, event: Event) -> str:
+        return sse_typed(event)
+
+    def body(self) -> Event:
         return {
             "id": self.response_id,
             "object": "response",
@@ -177,8 +181,8 @@ class ResponseEncoder:
 
     def start(self) -> list[dict[str, Any]]:
         return [
-            self._event("response.created", response=self.response()),
-            self._event("response.in_progress", response=self.response()),
+            self._event("response.created", response=self.body()),
+            self._event("response.in_progress", response=self.body()),
         ]
 
     def _close(self) -> list[dict[str, Any]]:
@@ -227,7 +231,7 @@ class ResponseEncoder:
         if chunk.finish_reason == "error":
             self.error = chunk.error_message or "generation failed"
             self.status = "failed"
-            return self._close() + [self._event("response.failed", response=self.response())]
+            return self._close() + [self._event("response.failed", response=self.body())]
         events: list[dict[str, Any]] = []
         if chunk.reasoning:
             events += self._append("reasoning", chunk.reasoning)
@@ -264,9 +268,5 @@ class ResponseEncoder:
                 }
             # As OpenAI does: running out of max_output_tokens makes the response incomplete.
             self.status = "incomplete" if chunk.finish_reason == "length" else "completed"
-            events.append(self._event(f"response.{self.status}", response=self.response()))
+            events.append(self._event(f"response.{self.status}", response=self.body()))
         return events
-
-
-def sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"

@@ -2,7 +2,6 @@
 Ollama client at http://HOST:52415/ollama."""
 
 import time
-from collections.abc import AsyncIterator
 from importlib.metadata import version as package_version
 from typing import Any
 
@@ -13,70 +12,49 @@ from exo.api.adapters.ollama import (
     OllamaChatRequest,
     OllamaEncoder,
     OllamaGenerateRequest,
-    OllamaRequestBase,
     chat_task_params,
     generate_task_params,
     model_entry,
-    ndjson,
     now,
     show_body,
 )
-from exo.api.generation import Generation, generation_error, require_instance, start_generation, stream_response
-from exo.api.routers.cluster import card_or_404, node_of
-from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams
+from exo.api.generation import respond
+from exo.api.placing import AutoPlacerDep, card_or_404
+from exo.api.port import ClusterDep, ClusterPort
 
 router = APIRouter(prefix="/ollama/api")
 
 
-def _model_name(request: Request, model: str) -> str:
+def _model_name(cluster: ClusterPort, model: str) -> str:
     """Ollama clients add a ":latest" tag to names that have none."""
-    if model not in node_of(request).cards() and model.endswith(":latest"):
+    if model not in cluster.cards() and model.endswith(":latest"):
         return model.removesuffix(":latest")
     return model
 
 
-async def _answer(
-    request: Request, body: OllamaRequestBase, params: TextGenerationTaskParams, encoder: OllamaEncoder
-) -> Any:
-    generation: Generation = await start_generation(request, params, body.stream)
-    if body.stream:
-
-        async def lines(chunks: AsyncIterator[ChunkGenerated]) -> AsyncIterator[str]:
-            async for chunk in chunks:
-                for line in encoder.feed(chunk, time.monotonic_ns()):
-                    yield ndjson(line)
-
-        return stream_response(generation, lines, media_type="application/x-ndjson")
-
-    chunks = await generation.collect(request)
-    if chunks[-1].finish_reason == "error":
-        raise generation_error(chunks[-1])
-    for chunk in chunks:
-        encoder.feed(chunk, time.monotonic_ns())
-    return encoder.body()
-
-
 @router.post("/chat")
-async def chat(request: Request, body: OllamaChatRequest):
+async def chat(request: Request, cluster: ClusterDep, placer: AutoPlacerDep, body: OllamaChatRequest):
     started = time.monotonic_ns()
-    body.model = _model_name(request, body.model)
-    return await _answer(request, body, chat_task_params(body), OllamaEncoder(body.model, "chat", started))
+    body.model = _model_name(cluster, body.model)
+    encoder = OllamaEncoder(body.model, "chat", started)
+    return await respond(request, cluster, placer, chat_task_params(body), lambda _: encoder, body.stream)
 
 
 @router.post("/generate")
-async def generate(request: Request, body: OllamaGenerateRequest):
+async def generate(request: Request, cluster: ClusterDep, placer: AutoPlacerDep, body: OllamaGenerateRequest):
     started = time.monotonic_ns()
-    body.model = _model_name(request, body.model)
+    body.model = _model_name(cluster, body.model)
     if not body.prompt and not body.images:
         # An empty prompt is how Ollama clients ask for a model to be loaded.
-        require_instance(request, body.model)
+        placer.require_instance(cluster, body.model)
         return {"model": body.model, "created_at": now(), "response": "", "done": True, "done_reason": "load"}
-    return await _answer(request, body, generate_task_params(body), OllamaEncoder(body.model, "generate", started))
+    encoder = OllamaEncoder(body.model, "generate", started)
+    return await respond(request, cluster, placer, generate_task_params(body), lambda _: encoder, body.stream)
 
 
 @router.get("/tags")
-def tags(request: Request) -> dict[str, Any]:
-    cards = node_of(request).cards()
+def tags(cluster: ClusterDep) -> dict[str, Any]:
+    cards = cluster.cards()
     return {"models": [model_entry(card) for card in sorted(cards.values(), key=lambda c: c.model_id)]}
 
 
@@ -86,16 +64,15 @@ class ShowRequest(BaseModel):
 
 
 @router.post("/show")
-def show(request: Request, body: ShowRequest) -> dict[str, Any]:
-    return show_body(card_or_404(node_of(request), _model_name(request, body.model)))
+def show(cluster: ClusterDep, body: ShowRequest) -> dict[str, Any]:
+    return show_body(card_or_404(cluster, _model_name(cluster, body.model)))
 
 
 @router.get("/ps")
-def ps(request: Request) -> dict[str, Any]:
-    node = node_of(request)
-    cards = node.cards()
+def ps(cluster: ClusterDep) -> dict[str, Any]:
+    cards = cluster.cards()
     running = []
-    for instance in node.replica.state.instances.values():
+    for instance in cluster.state.instances.values():
         card = cards.get(instance.model_id)
         if card is not None:
             entry = model_entry(card)

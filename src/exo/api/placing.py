@@ -1,0 +1,103 @@
+"""Cards and placement as the API needs them: a card or a 404, where a model would go or
+a 400 that says why not, and placing a model for a request when auto-placement is on."""
+
+import time
+from typing import Annotated
+
+from fastapi import Depends, Request
+from loguru import logger
+
+from exo.api.errors import ApiError
+from exo.api.port import ClusterPort
+from exo.master.placement import PlacementError, place_instance
+from exo.shared.models.model_cards import ModelCard
+from exo.shared.queries import instances_of, least_loaded_instance
+from exo.shared.types.commands import CreateInstance
+from exo.shared.types.common import InstanceId, ModelId
+from exo.shared.types.instances import Instance, Sharding
+from exo.shared.types.state import State
+
+# A placed instance takes a moment to reach State; after that, a missing one is gone.
+PLACEMENT_VISIBLE_SECONDS = 10.0
+
+
+def card_or_404(cluster: ClusterPort, model_id: str) -> ModelCard:
+    card = cluster.cards().get(model_id)
+    if card is None:
+        raise ApiError(
+            404, f"model '{model_id}' is not known to this cluster", code="model_not_found", param="model_id"
+        )
+    return card
+
+
+def planned_instance(
+    cluster: ClusterPort, model_id: str, sharding: Sharding, min_nodes: int, context_length: int | None
+) -> Instance:
+    """Where placement would put the model now, or a 400 that says why it cannot go."""
+    card = card_or_404(cluster, model_id)
+    try:
+        return place_instance(cluster.state, card, sharding, min_nodes, context_length)
+    except PlacementError as error:
+        raise ApiError(400, str(error), code="placement_failed") from error
+
+
+def place_model(
+    cluster: ClusterPort,
+    model_id: str,
+    sharding: Sharding = Sharding.Pipeline,
+    min_nodes: int = 1,
+    context_length: int | None = None,
+) -> CreateInstance:
+    command = CreateInstance(instance=planned_instance(cluster, model_id, sharding, min_nodes, context_length))
+    cluster.send_command(command)
+    return command
+
+
+def auto_place_enabled(flag: bool | None, state: State) -> bool:
+    """The --auto-place / --no-auto-place flag, else on only in a one-node cluster."""
+    return flag if flag is not None else len(state.nodes) == 1
+
+
+class AutoPlacer:
+    """Places a requested model that has no instance. Remembers what it placed until the
+    instance shows in State, so requests arriving meanwhile wait for it instead of
+    placing it again."""
+
+    def __init__(self) -> None:
+        self._placed: dict[str, tuple[InstanceId, float]] = {}
+
+    def require_instance(self, cluster: ClusterPort, model: str) -> InstanceId | None:
+        """None when an instance of the model serves; else the instance to wait for: one
+        being loaded, or one placed now when auto-placement is on. A 404 for an unknown
+        model, or a known one not placed when auto-placement is off; a 400 when the model
+        cannot be placed."""
+        card_or_404(cluster, model)
+        state = cluster.state
+        if least_loaded_instance(state, ModelId(model)) is not None:
+            return None
+        if not auto_place_enabled(cluster.settings.auto_place, state):
+            raise ApiError(
+                404,
+                f"model '{model}' has no running instance; place it first (POST /place_instance)",
+                code="model_not_loaded",
+                param="model",
+            )
+        loading = instances_of(state, model)
+        if loading:
+            return loading[0].instance_id
+        now = time.monotonic()
+        if model in self._placed:
+            instance_id, placed_at = self._placed[model]
+            if now - placed_at < PLACEMENT_VISIBLE_SECONDS and instance_id not in state.instance_deletions:
+                return instance_id
+        instance_id = place_model(cluster, model).instance.instance_id
+        self._placed[model] = (instance_id, now)
+        logger.info(f"auto-placing {model} as instance {instance_id}")
+        return instance_id
+
+
+def auto_placer(request: Request) -> AutoPlacer:
+    return request.app.state.auto_placer
+
+
+AutoPlacerDep = Annotated[AutoPlacer, Depends(auto_placer)]

@@ -1,0 +1,55 @@
+"""Questions every layer asks of State, answered in one place. Pure functions of State,
+beside `apply`, so the master, the worker and the API agree on what "serving" means."""
+
+from exo.shared.types.common import CommandId, InstanceId, ModelId
+from exo.shared.types.instances import Instance
+from exo.shared.types.runners import SERVING_STATUSES, RunnerFailed, RunnerLoading, RunnerStatus
+from exo.shared.types.state import State
+from exo.shared.types.tasks import FINISHED_TASK_STATUSES
+
+
+def runner_statuses(state: State, instance: Instance) -> dict[str, RunnerStatus | None]:
+    """Each runner of the instance and its status (None before its first report)."""
+    return {runner_id: state.runners.get(runner_id) for runner_id in instance.shard_assignments.runner_to_shard}
+
+
+def is_serving(state: State, instance: Instance) -> bool:
+    """Every runner of the instance has loaded and warmed up."""
+    return all(isinstance(status, SERVING_STATUSES) for status in runner_statuses(state, instance).values())
+
+
+def runner_failures(state: State, instance: Instance) -> list[str]:
+    return [s.error_message for s in runner_statuses(state, instance).values() if isinstance(s, RunnerFailed)]
+
+
+def instances_of(state: State, model_id: str) -> list[Instance]:
+    return [instance for instance in state.instances.values() if instance.model_id == model_id]
+
+
+def layers_loaded(state: State, instance: Instance) -> tuple[int, int] | None:
+    """(loaded, total) layers over the instance's runners that are loading, else None."""
+    loading = [s for s in runner_statuses(state, instance).values() if isinstance(s, RunnerLoading) and s.total_layers]
+    if not loading:
+        return None
+    return sum(s.layers_loaded for s in loading), sum(s.total_layers for s in loading)
+
+
+def open_task_count(state: State, instance_id: InstanceId) -> int:
+    return sum(
+        1
+        for task in state.tasks.values()
+        if task.instance_id == instance_id and task.status not in FINISHED_TASK_STATUSES
+    )
+
+
+def least_loaded_instance(state: State, model_id: ModelId) -> InstanceId | None:
+    """The serving instance of this model with the fewest unfinished tasks."""
+    candidates = [i.instance_id for i in instances_of(state, model_id) if is_serving(state, i)]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda instance_id: (open_task_count(state, instance_id), instance_id))
+
+
+def has_task_for(state: State, command_id: CommandId) -> bool:
+    """The master has made a task of this command (and it is not yet dropped)."""
+    return any(task.command_id == command_id for task in state.tasks.values())
