@@ -4,16 +4,13 @@ the grammar cannot take next. EOS is allowed only once the JSON is complete, and
 only choice once the grammar can take nothing more."""
 
 import json
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, cast
 
 import llguidance
 import llguidance.hf
 import mlx.core as mx
 import numpy as np
-
-# Compact separators and no free whitespace: a model cannot wander off into endless
-# blank lines, and the answer stays short.
-_JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def grammar_for(response_format: dict[str, Any] | None) -> str | None:
@@ -33,7 +30,11 @@ def grammar_for(response_format: dict[str, Any] | None) -> str | None:
     else:
         raise ValueError(f"unknown response_format type {kind!r}")
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
+        # Compact separators and no free whitespace: a model cannot wander off into
+        # endless blank lines, and the answer stays short.
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), overrides={"whitespace_flexible": False}
+        )
     except ValueError as error:
         raise ValueError(f"response_format schema is not usable: {error}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
@@ -42,7 +43,7 @@ def grammar_for(response_format: dict[str, Any] | None) -> str | None:
     return grammar
 
 
-def grammar_tokenizer(hf_tokenizer: Any, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+def grammar_tokenizer(hf_tokenizer: Any, eos_token_ids: Iterable[int]) -> llguidance.LLTokenizer:
     """llguidance's view of the model's tokenizer (about a second to build: keep it)."""
     return llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=sorted(eos_token_ids))
 
@@ -63,7 +64,7 @@ class GrammarProcessor:
         self._seen = 1  # the last prompt token
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        new = tokens[self._seen :].tolist()
+        new = cast(list[int], tokens[self._seen :].tolist())
         self._seen = len(tokens)
         if new:
             self.matcher.consume_tokens(new)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, assert_never
+from typing import Annotated, Any, Literal, assert_never, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,6 +55,8 @@ class StartRequest(FrozenModel):
     request_id: CommandId
     params: TextGenerationTaskParams
     seed: int
+    # The response_format's grammar, compiled once by rank 0 and carried to the others.
+    grammar: str | None = None
 
 
 class CancelRequest(FrozenModel):
@@ -202,10 +204,10 @@ class MlxEngine:
     def submit(self, request_id: CommandId, params: TextGenerationTaskParams) -> None:
         assert self.model is not None and self.tokenizer is not None, "load() first"
         # An unusable schema fails here, back to the caller, not later inside a step.
-        grammar_for(params.response_format)
+        grammar = grammar_for(params.response_format)
         # Every rank seeds its sampler the same way, so all ranks draw the same tokens.
         seed = params.seed if params.seed is not None else random.getrandbits(31)
-        self._pending_ops.append(StartRequest(request_id=request_id, params=params, seed=seed))
+        self._pending_ops.append(StartRequest(request_id=request_id, params=params, seed=seed, grammar=grammar))
         if self.group is None:
             self._apply_ops()
 
@@ -226,8 +228,8 @@ class MlxEngine:
         ops = self._agree_on_ops()
         for op in ops:
             match op:
-                case StartRequest(request_id=request_id, params=params, seed=seed):
-                    self._start(request_id, params, seed)
+                case StartRequest():
+                    self._start(op)
                 case CancelRequest(request_id=request_id):
                     self._requests.pop(request_id, None)
                 case EndWarmup():
@@ -238,21 +240,22 @@ class MlxEngine:
                     assert_never(op)
         return ops
 
-    def _start(self, request_id: CommandId, params: TextGenerationTaskParams, seed: int) -> None:
+    def _start(self, op: StartRequest) -> None:
         assert self.model is not None and self.tokenizer is not None
-        if grammar_for(params.response_format) is not None and params.enable_thinking is None:
+        params = op.params
+        if op.grammar is not None and params.enable_thinking is None:
             # The grammar holds from the first token; a thinking block would swallow it.
             params = params.model_copy(update={"enable_thinking": False})
         prompt, prompt_text = encode_prompt(self.tokenizer, params, self.model_type, self.reasoning_dialect)
         if not prompt:
             prompt = [self.tokenizer.bos_token_id or 0]
-        mx.random.seed(seed)
+        mx.random.seed(op.seed)
         assert self.prefix_cache is not None
         # All but the last prompt token are prefilled; the last starts generate_step.
         cache, cached = self.prefix_cache.fetch(prompt[:-1])
         max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
-        self._requests[request_id] = _Request(
-            request_id=request_id,
+        self._requests[op.request_id] = _Request(
+            request_id=op.request_id,
             prompt=prompt,
             cache=cache,
             sampler=self._sampler(params),
@@ -262,7 +265,7 @@ class MlxEngine:
             max_tokens=max_tokens,
             submitted_at=time.perf_counter(),
             want_logprobs=(params.top_logprobs or 0) if params.logprobs else None,
-            logits_processors=self._logits_processors(params, max_tokens),
+            logits_processors=self._logits_processors(params, max_tokens, op.grammar),
             prefilled=cached,
             cached_tokens=cached,
         )
@@ -279,7 +282,7 @@ class MlxEngine:
             tool_format = "harmony"
         return make_output_parser(tool_format, start, end, opened, params.tools)
 
-    def _logits_processors(self, params: TextGenerationTaskParams, max_tokens: int) -> list[Any]:
+    def _logits_processors(self, params: TextGenerationTaskParams, max_tokens: int, grammar: str | None) -> list[Any]:
         assert self.tokenizer is not None
         # mlx-lm penalizes whatever it was fed, which starts with the last prompt token;
         # dropping that one makes the penalties count generated tokens only, as OpenAI's do.
@@ -299,7 +302,6 @@ class MlxEngine:
         vocab = len(self.tokenizer._tokenizer)
         bias = {token: value for token, value in (params.logit_bias or {}).items() if 0 <= token < vocab}
         processors = make_logits_processors(logit_bias=bias) + penalties
-        grammar = grammar_for(params.response_format)
         if grammar is not None:
             if self._grammar_tokenizer is None:
                 self._grammar_tokenizer = grammar_tokenizer(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids)
@@ -356,7 +358,7 @@ class MlxEngine:
                 prompt_cache=request.cache,
             )
         token_array, logprobs = next(request.tokens)
-        token = int(token_array.item()) if isinstance(token_array, mx.array) else int(token_array)
+        token = cast(int, token_array.item()) if isinstance(token_array, mx.array) else int(token_array)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         request.generated += 1
@@ -411,9 +413,10 @@ class MlxEngine:
         alternatives = []
         if top > 0:
             ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
-            ids = ids[mx.argsort(-logprobs[ids])].tolist()
+            ids = cast(list[int], ids[mx.argsort(-logprobs[ids])].tolist())
             alternatives = [
-                TopLogprob(token=self.tokenizer.decode([i]), token_id=i, logprob=_json_logprob(logprobs[i])) for i in ids
+                TopLogprob(token=self.tokenizer.decode([i]), token_id=i, logprob=_json_logprob(logprobs[i]))
+                for i in ids
             ]
         return TokenLogprob(
             token=self.tokenizer.decode([token]),
@@ -458,5 +461,5 @@ class MlxEngine:
 
 
 def _json_logprob(value: mx.array) -> float:
-    logprob = float(value.item())
+    logprob = cast(float, value.item())
     return logprob if math.isfinite(logprob) else -9999.0
