@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Creates .venv (Python 3.11+) and installs exo with its test extras. Safe to re-run.
+# Creates .venv (Python 3.11+) and installs exo. Safe to re-run.
+#   bash scripts/setup.sh          what a node needs to run (run-node.sh)
+#   bash scripts/setup.sh test     that plus the test extras: pytest, the SDKs, schemathesis,
+#                                  torch, basedpyright (test.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-runtime}" in
+  runtime) mode=runtime target="." ;;
+  test) mode=test target=".[test]" ;;
+  *) echo "usage: scripts/setup.sh [runtime|test]" >&2; exit 2 ;;
+esac
 PYTHON="${PYTHON:-python3}"
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "exo needs Python 3.11 or newer (found $("$PYTHON" --version 2>&1))" >&2
@@ -10,9 +18,15 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-stamp=.venv/.exo-installed
+# One stamp per mode, so a runtime-only venv still gets the test extras when the tests
+# first run; a test install covers the runtime one too. pip runs again when
+# pyproject.toml is newer than the stamp.
+stamp=".venv/.exo-installed-$mode"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e ".[test]"
+  .venv/bin/python -m pip install --quiet -e "$target"
   touch "$stamp"
+  if [ "$mode" = test ]; then
+    touch .venv/.exo-installed-runtime
+  fi
 fi
