@@ -50,6 +50,7 @@ from exo.worker.planner import (
     ShutdownRunner,
     plan,
 )
+from exo.worker.runner_protocol import ConnectToGroup, LoadModel, RunnerInstruction, StartWarmup
 
 NODE = NodeId("node-a")
 OTHER_NODE = NodeId("node-b")
@@ -125,7 +126,7 @@ def single_node_state(
 
 
 def local_runner(
-    sent: Iterable[str] = (),
+    sent: Iterable[type[RunnerInstruction]] = (),
     forwarded: Iterable[str] = (),
     in_flight: Iterable[str] = (),
     runner_id: RunnerId = RUNNER,
@@ -144,7 +145,8 @@ def local_runner(
     return {runner_id: replace(runner, **changes)}
 
 
-ALL_STEPS = {"ConnectToGroup", "LoadModel", "StartWarmup"}
+ALL_STEPS = {ConnectToGroup, LoadModel, StartWarmup}
+LOAD_MODEL = LoadModel(model_dir="/models/qwen")  # where downloaded() finds the model
 
 
 # --- model -----------------------------------------------------------------------------
@@ -193,29 +195,29 @@ def test_nothing_until_the_new_runner_reports_its_status(card: ModelCard):
 
 def test_connect_to_group_when_the_runner_is_idle(card: ModelCard):
     state = single_node_state(card, RunnerIdle())
-    assert plan(NODE, state, local_runner(), NOW) == RunnerStep(RUNNER, "ConnectToGroup")
+    assert plan(NODE, state, local_runner(), NOW) == RunnerStep(RUNNER, ConnectToGroup())
 
 
 def test_nothing_while_waiting_for_a_step_already_sent(card: ModelCard):
     state = single_node_state(card, RunnerConnecting())
-    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) is None
+    assert plan(NODE, state, local_runner(sent={ConnectToGroup}), NOW) is None
 
 
 def test_nothing_while_the_status_still_shows_the_previous_stage(card: ModelCard):
     # The step was sent but the runner's status update has not arrived yet.
     state = single_node_state(card, RunnerIdle())
-    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) is None
+    assert plan(NODE, state, local_runner(sent={ConnectToGroup}), NOW) is None
 
 
 def test_load_model_once_connected(card: ModelCard):
     state = single_node_state(card, RunnerConnected())
-    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) == RunnerStep(RUNNER, "LoadModel")
+    assert plan(NODE, state, local_runner(sent={ConnectToGroup}), NOW) == RunnerStep(RUNNER, LOAD_MODEL)
 
 
 def test_start_warmup_once_loaded(card: ModelCard):
     state = single_node_state(card, RunnerLoaded())
-    local = local_runner(sent={"ConnectToGroup", "LoadModel"})
-    assert plan(NODE, state, local, NOW) == RunnerStep(RUNNER, "StartWarmup")
+    local = local_runner(sent={ConnectToGroup, LoadModel})
+    assert plan(NODE, state, local, NOW) == RunnerStep(RUNNER, StartWarmup())
 
 
 # --- serving -------------------------------------------------------------------------------
@@ -314,9 +316,9 @@ def test_rank_0_does_not_connect_before_the_other_rank_has_started(card: ModelCa
 
 def test_rank_0_does_not_load_until_the_other_rank_is_connected(card: ModelCard):
     state = two_rank_state(card, own=RunnerConnected(), other=RunnerConnecting())
-    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) is None
+    assert plan(NODE, state, local_runner(sent={ConnectToGroup}), NOW) is None
 
 
 def test_rank_0_loads_once_every_rank_is_connected(card: ModelCard):
     state = two_rank_state(card, own=RunnerConnected(), other=RunnerConnected())
-    assert plan(NODE, state, local_runner(sent={"ConnectToGroup"}), NOW) == RunnerStep(RUNNER, "LoadModel")
+    assert plan(NODE, state, local_runner(sent={ConnectToGroup}), NOW) == RunnerStep(RUNNER, LOAD_MODEL)

@@ -19,6 +19,7 @@ from exo.shared.types.runners import (
 )
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TaskStatus
+from exo.worker.runner_protocol import ConnectToGroup, LifecycleInstruction, LoadModel, RunnerInstruction, StartWarmup
 
 MAX_RUNNER_ATTEMPTS = 3
 RESTART_BACKOFF_SECONDS = 2.0
@@ -30,7 +31,7 @@ class LocalRunner:
 
     runner_id: RunnerId
     instance_id: InstanceId
-    sent: frozenset[str]
+    sent: frozenset[type[RunnerInstruction]]
     forwarded: frozenset[TaskId]
     in_flight: frozenset[TaskId]
     exited: bool
@@ -63,10 +64,8 @@ class FindModel:
 
 @dataclass(frozen=True)
 class RunnerStep:
-    """ConnectToGroup, LoadModel or StartWarmup."""
-
     runner_id: RunnerId
-    step: str
+    instruction: LifecycleInstruction
 
 
 @dataclass(frozen=True)
@@ -137,16 +136,16 @@ def _plan_instance(
     own = state.runners.get(runner_id)
     # Each lifecycle step starts only once every rank has finished the previous one,
     # so ranks move through connect -> load -> warm up together.
-    steps = (
-        ("ConnectToGroup", RunnerIdle),
-        ("LoadModel", RunnerConnected),
-        ("StartWarmup", RunnerLoaded),
+    steps: tuple[tuple[LifecycleInstruction, RunnerStatus], ...] = (
+        (ConnectToGroup(), RunnerIdle()),
+        (LoadModel(model_dir=download.path), RunnerConnected()),
+        (StartWarmup(), RunnerLoaded()),
     )
-    for step, ready_status in steps:
-        if step not in runner.sent:
-            ready_stage = _stage(ready_status())
+    for instruction, ready_status in steps:
+        if type(instruction) not in runner.sent:
+            ready_stage = _stage(ready_status)
             if _stage(own) == ready_stage and min(stages) >= ready_stage:
-                return RunnerStep(runner_id, step)
+                return RunnerStep(runner_id, instruction)
             return None
 
     if not isinstance(own, SERVING_STATUSES):

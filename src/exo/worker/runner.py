@@ -29,7 +29,7 @@ from exo.shared.types.runners import (
     RunnerStatus,
     RunnerWarmingUp,
 )
-from exo.shared.types.tasks import TaskStatus
+from exo.shared.types.tasks import TaskStatus, TextGenerationTask
 from exo.shared.types.text_generation import ChunkGenerated
 from exo.worker.runner_protocol import (
     CancelRunnerTask,
@@ -106,12 +106,12 @@ class Runner:
                 logger.info(f"runner {self.runner_id}: warmed up with {tokens} tokens")
                 self.ready = True
                 self.set_status(RunnerReady())
-            case SubmitTask(task_id=task_id, command_id=command_id, params=params):
+            case SubmitTask(task=TextGenerationTask(task_id=task_id, command_id=command_id, params=params)):
                 try:
                     self.engine.submit(command_id, params)
                 except Exception as error:  # a bad prompt fails its request, not the runner
                     logger.exception("submit failed")
-                    self._finish(task_id, command_id, TaskStatus.Failed, f"could not start generation: {error}")
+                    self._fail(task_id, command_id, f"could not start generation: {error}")
                     return True
                 if not self.active:
                     self.set_status(RunnerRunning())
@@ -143,9 +143,9 @@ class Runner:
                 self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Complete))
         self._maybe_ready()
 
-    def _finish(self, task_id: TaskId, command_id: CommandId, status: TaskStatus, message: str) -> None:
+    def _fail(self, task_id: TaskId, command_id: CommandId, message: str) -> None:
         self.conn.send(ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message))
-        self.conn.send(TaskStatusUpdated(task_id=task_id, status=status, error_message=message))
+        self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Failed, error_message=message))
 
     def _maybe_ready(self) -> None:
         if not self.active and not self.engine.has_work:

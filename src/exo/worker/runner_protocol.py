@@ -1,39 +1,43 @@
-"""What a supervisor tells its runner subprocess, over a multiprocessing pipe. The runner
-answers with events (RunnerStatusUpdated, TaskStatusUpdated) and ChunkGenerated."""
+"""What a supervisor tells its runner subprocess, over a multiprocessing pipe (pickled,
+so plain frozen dataclasses). The runner answers with the events it causes
+(RunnerStatusUpdated, TaskStatusUpdated) and ChunkGenerated."""
 
-from typing import Literal
+from dataclasses import dataclass
 
-from exo.shared.types.common import CommandId, FrozenModel, TaskId
-from exo.shared.types.text_generation import TextGenerationTaskParams
-
-
-class ConnectToGroup(FrozenModel):
-    kind: Literal["ConnectToGroup"] = "ConnectToGroup"
+from exo.shared.types.common import TaskId
+from exo.shared.types.tasks import TextGenerationTask
 
 
-class LoadModel(FrozenModel):
-    kind: Literal["LoadModel"] = "LoadModel"
+@dataclass(frozen=True)
+class ConnectToGroup:
+    pass
+
+
+@dataclass(frozen=True)
+class LoadModel:
     model_dir: str
 
 
-class StartWarmup(FrozenModel):
-    kind: Literal["StartWarmup"] = "StartWarmup"
+@dataclass(frozen=True)
+class StartWarmup:
+    pass
 
 
-class SubmitTask(FrozenModel):
-    kind: Literal["SubmitTask"] = "SubmitTask"
+@dataclass(frozen=True)
+class SubmitTask:
+    task: TextGenerationTask
+
+
+@dataclass(frozen=True)
+class CancelRunnerTask:
     task_id: TaskId
-    command_id: CommandId
-    params: TextGenerationTaskParams
 
 
-class CancelRunnerTask(FrozenModel):
-    kind: Literal["CancelRunnerTask"] = "CancelRunnerTask"
-    task_id: TaskId
+@dataclass(frozen=True)
+class Shutdown:
+    pass
 
 
-class Shutdown(FrozenModel):
-    kind: Literal["Shutdown"] = "Shutdown"
-
-
-RunnerInstruction = ConnectToGroup | LoadModel | StartWarmup | SubmitTask | CancelRunnerTask | Shutdown
+# The steps every runner goes through once, in this order, before it serves.
+LifecycleInstruction = ConnectToGroup | LoadModel | StartWarmup
+RunnerInstruction = LifecycleInstruction | SubmitTask | CancelRunnerTask | Shutdown

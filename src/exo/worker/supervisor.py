@@ -39,7 +39,7 @@ class RunnerSupervisor:
         self.on_chunk = on_chunk
         self.attempt = attempt
         # Instructions already sent, so the planner never repeats a lifecycle step.
-        self.sent: set[str] = set()
+        self.sent: set[type[RunnerInstruction]] = set()
         self.in_flight: dict[TaskId, CommandId] = {}
         self.exited = False
         self.failure_message: str | None = None
@@ -63,9 +63,9 @@ class RunnerSupervisor:
     def send(self, instruction: RunnerInstruction) -> None:
         if self.exited:
             return
-        self.sent.add(instruction.kind)
+        self.sent.add(type(instruction))
         if isinstance(instruction, SubmitTask):
-            self.in_flight[instruction.task_id] = instruction.command_id
+            self.in_flight[instruction.task.task_id] = instruction.task.command_id
         try:
             self._conn.send(instruction)
         except (BrokenPipeError, ConnectionResetError, OSError):
@@ -102,7 +102,7 @@ class RunnerSupervisor:
         asyncio.get_running_loop().remove_reader(self._conn.fileno())
         self.process.join(timeout=5)
         exit_code = self.process.exitcode
-        if "Shutdown" in self.sent and exit_code == 0:
+        if Shutdown in self.sent and exit_code == 0:
             self.on_event(RunnerStatusUpdated(runner_id=self.runner_id, status=RunnerShutdown()))
             return
         message = self.failure_message or f"runner process exited unexpectedly (exit code {exit_code})"

@@ -5,6 +5,7 @@ import platform
 import socket
 import time
 from pathlib import Path
+from typing import assert_never
 
 import httpx
 import psutil
@@ -46,12 +47,7 @@ from exo.worker.planner import (
     ShutdownRunner,
     plan,
 )
-from exo.worker.runner_protocol import (
-    ConnectToGroup,
-    LoadModel,
-    StartWarmup,
-    SubmitTask,
-)
+from exo.worker.runner_protocol import SubmitTask
 from exo.worker.supervisor import RunnerSupervisor
 
 NODE_INFO_INTERVAL_SECONDS = 10.0
@@ -214,26 +210,15 @@ class Worker:
                 self.router.publish(Topic.COMMANDS, DeleteInstance(instance_id=instance_id, reason=reason))
                 # Wait for the deletion to come back before planning again.
                 await self.replica.wait_for(lambda s: instance_id not in s.instances, timeout=10)
-            case RunnerStep(runner_id=runner_id, step=step):
-                self.supervisors[runner_id].send(self._lifecycle_instruction(runner_id, step))
+            case RunnerStep(runner_id=runner_id, instruction=instruction):
+                self.supervisors[runner_id].send(instruction)
             case ForwardTask(runner_id=runner_id, task_id=task_id):
-                task = state.tasks[task_id]
                 self.forwarded[runner_id].add(task_id)
-                self.supervisors[runner_id].send(
-                    SubmitTask(task_id=task_id, command_id=task.command_id, params=task.params)
-                )
+                self.supervisors[runner_id].send(SubmitTask(task=state.tasks[task_id]))
             case CancelTask(runner_id=runner_id, task_id=task_id):
                 self.supervisors[runner_id].cancel(task_id)
-
-    def _lifecycle_instruction(self, runner_id: RunnerId, step: str):
-        if step == "ConnectToGroup":
-            return ConnectToGroup()
-        if step == "StartWarmup":
-            return StartWarmup()
-        model_id = self.supervisors[runner_id].instance.model_id
-        download = self.replica.state.downloads[self.node_id][model_id]
-        assert isinstance(download, DownloadCompleted)
-        return LoadModel(model_dir=download.path)
+            case _:
+                assert_never(action)
 
     def _find_model(self, model_id: ModelId) -> None:
         """Use a local copy, or download one in the background, reporting progress."""
