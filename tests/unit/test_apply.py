@@ -34,7 +34,6 @@ from exo.shared.types.events import (
     NodeDownloadProgress,
     NodeGatheredInfo,
     NodeTimedOut,
-    RunnerDeleted,
     RunnerStatusUpdated,
     TaskCreated,
     TaskDeleted,
@@ -253,11 +252,6 @@ def test_runner_status_updated_for_a_runner_of_no_instance_is_ignored(
     assert state.runners == serving_state.runners
 
 
-def test_runner_deleted_removes_the_runner(serving_state: State):
-    state = apply_all(serving_state, RunnerDeleted(runner_id=RunnerId("runner-a")))
-    assert set(state.runners) == {RunnerId("runner-b")}
-
-
 def test_task_created_adds_the_task_pending():
     state = apply_all(State(), TaskCreated(task=task("inst-1", "task-9")))
     assert state.tasks[TaskId("task-9")].status == TaskStatus.Pending
@@ -329,7 +323,6 @@ def one_of_each_event(card: ModelCard) -> list[Event]:
             runner_id=RunnerId("runner-c"),
             status=RunnerLoading(layers_loaded=3, total_layers=21),
         ),
-        RunnerDeleted(runner_id=RunnerId("runner-c")),
         TaskCreated(task=task("inst-2", "task-2")),
         TaskStatusUpdated(task_id=TaskId("task-2"), status=TaskStatus.Running),
         TaskDeleted(task_id=TaskId("task-2")),

@@ -59,7 +59,6 @@ class Election:
         return Heartbeat(
             node_id=self.node_id,
             session_id=self.session_id,
-            clock=self.clock,
             started_at=self.started_at,
             commands_seen=self.commands_seen,
             force_master=self.force_master,

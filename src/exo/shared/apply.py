@@ -1,6 +1,6 @@
 """The only way State changes: a pure function of (State, IndexedEvent)."""
 
-from typing import TypeVar
+from typing import TypeVar, assert_never
 
 from exo.shared.types.common import ModelId
 from exo.shared.types.events import (
@@ -14,7 +14,6 @@ from exo.shared.types.events import (
     NodeDownloadProgress,
     NodeGatheredInfo,
     NodeTimedOut,
-    RunnerDeleted,
     RunnerStatusUpdated,
     TaskCreated,
     TaskDeleted,
@@ -79,8 +78,6 @@ def apply_event(state: State, event: Event) -> State:
             if not any(runner_id in i.shard_assignments.runner_to_shard for i in state.instances.values()):
                 return state  # a late report from a runner of a deleted instance
             return state.model_copy(update={"runners": {**state.runners, runner_id: status}})
-        case RunnerDeleted(runner_id=runner_id):
-            return state.model_copy(update={"runners": _without(state.runners, runner_id)})
         case TaskCreated(task=task):
             return state.model_copy(update={"tasks": {**state.tasks, task.task_id: task}})
         case TaskStatusUpdated(task_id=task_id, status=status, error_message=error):
@@ -98,6 +95,8 @@ def apply_event(state: State, event: Event) -> State:
             return state.model_copy(update={"topology": state.topology.with_connection(connection)})
         case TopologyEdgeDeleted(source=source, sink=sink):
             return state.model_copy(update={"topology": state.topology.without_edge(source, sink)})
+        case _:
+            assert_never(event)
 
 
 def _without(mapping: dict[K, V], key: K) -> dict[K, V]:

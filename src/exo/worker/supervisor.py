@@ -56,10 +56,6 @@ class RunnerSupervisor:
         loop = asyncio.get_running_loop()
         loop.add_reader(self._conn.fileno(), self._on_readable)
 
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
     def send(self, instruction: RunnerInstruction) -> None:
         if self.exited:
             return

@@ -8,5 +8,4 @@ class Heartbeat(FrozenModel):
     session_id: str  # new each time the node process starts
     started_at: float  # unix time the node started; earlier is more senior
     commands_seen: int
-    clock: int = 0  # election rounds this node has run, for logs
     force_master: bool = False

@@ -53,11 +53,6 @@ class RunnerStatusUpdated(FrozenModel):
     status: RunnerStatus
 
 
-class RunnerDeleted(FrozenModel):
-    kind: Literal["RunnerDeleted"] = "RunnerDeleted"
-    runner_id: RunnerId
-
-
 class TaskCreated(FrozenModel):
     kind: Literal["TaskCreated"] = "TaskCreated"
     task: TextGenerationTask
@@ -112,7 +107,6 @@ Event = Annotated[
     | InstanceCreated
     | InstanceDeleted
     | RunnerStatusUpdated
-    | RunnerDeleted
     | TaskCreated
     | TaskStatusUpdated
     | TaskDeleted
