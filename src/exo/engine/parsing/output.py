@@ -7,6 +7,7 @@ tool-call parser, so a call the model merely thinks about is never run."""
 from typing import Any
 
 from exo.engine.parsing.base import Parsed, StreamParser
+from exo.engine.parsing.dsml import DsmlParser
 from exo.engine.parsing.harmony import HarmonyParser
 from exo.engine.parsing.reasoning import ReasoningParser
 from exo.engine.parsing.tool_calls import ToolCallParser, tool_call_format
@@ -94,8 +95,5 @@ def _tool_call_parser(tool_format: str | None, tools: list[dict[str, Any]] | Non
     if tool_format is None:
         return None
     if tool_format == "dsml":
-        # Imported here: the DSML parser is its own module and may be absent in a build.
-        from exo.engine.parsing.dsml import DsmlParser
-
         return DsmlParser(tools=tools)
     return ToolCallParser(tool_call_format(tool_format), tools)
