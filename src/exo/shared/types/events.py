@@ -32,6 +32,9 @@ class NodeGatheredInfo(FrozenModel):
 
 
 class NodeTimedOut(FrozenModel):
+    """The node left the cluster: its info, downloads and links leave State (the master
+    deletes its instances first)."""
+
     kind: Literal["NodeTimedOut"] = "NodeTimedOut"
     node_id: NodeId
 
@@ -42,12 +45,16 @@ class InstanceCreated(FrozenModel):
 
 
 class InstanceDeleted(FrozenModel):
+    """Its runners leave State with it; the reason is kept for whoever asks later."""
+
     kind: Literal["InstanceDeleted"] = "InstanceDeleted"
     instance_id: InstanceId
     reason: str = ""
 
 
 class RunnerStatusUpdated(FrozenModel):
+    """A late report from a runner of a deleted instance changes nothing."""
+
     kind: Literal["RunnerStatusUpdated"] = "RunnerStatusUpdated"
     runner_id: RunnerId
     status: RunnerStatus
@@ -66,6 +73,9 @@ class TaskStatusUpdated(FrozenModel):
 
 
 class TaskDeleted(FrozenModel):
+    """The task is done with (collected, or its client is gone); a runner still
+    generating it stops."""
+
     kind: Literal["TaskDeleted"] = "TaskDeleted"
     task_id: TaskId
 
