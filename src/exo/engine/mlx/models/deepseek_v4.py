@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace
+from mlx.utils import tree_map
 from mlx_lm.models.base import BaseModelArgs
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
 _RATIO_BY_LAYER_TYPE = {"sliding_attention": 0}
 _DEFAULT_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
@@ -101,7 +102,8 @@ def rope_inv_freq(dims: int, base: float, scaling: dict | None) -> tuple[mx.arra
     YaRN as transformers computes it (correction range rounded outwards). DeepSeek V4
     leaves cos/sin unscaled unless a config says otherwise."""
     inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return inv_freq, 1.0
     if rope_type not in ("yarn", "deepseek_yarn"):
@@ -373,6 +375,7 @@ class Attention(nn.Module):
         self.o_groups = args.o_groups
         self.o_lora_rank = args.o_lora_rank
         self.eps = args.rms_norm_eps
+        assert args.compress_ratios is not None and args.qk_rope_head_dim is not None, "set by __post_init__"
         self.compress_ratio = args.compress_ratios[layer_idx]
         self.sliding_window = args.sliding_window
         self.scale = self.head_dim**-0.5
@@ -394,7 +397,7 @@ class Attention(nn.Module):
                 self.indexer = Indexer(args, self.compress_ratio)
         else:
             self.rope = RoPE(args.qk_rope_head_dim, args.rope_theta)
-        self.sharding_group = None
+        self.sharding_group: mx.distributed.Group | None = None
 
     def grouped_output(self, out: mx.array) -> mx.array:
         """wo_a applied per group of heads: [B, L, heads * head_dim] -> [B, L, groups * rank]."""
@@ -402,12 +405,13 @@ class Attention(nn.Module):
         out = out.reshape(B, L, self.o_groups, -1)
         if isinstance(self.wo_a, nn.QuantizedLinear):
             w = self.wo_a
+            biases = w.get("biases")
             shape = (self.o_groups, 1, self.o_lora_rank, -1)
             out = mx.quantized_matmul(
                 out.transpose(2, 0, 1, 3),
                 w.weight.reshape(shape),
                 scales=w.scales.reshape(shape),
-                biases=None if w.get("biases") is None else w.biases.reshape(shape),
+                biases=None if biases is None else biases.reshape(shape),
                 transpose=True,
                 group_size=w.group_size,
                 bits=w.bits,
@@ -509,7 +513,7 @@ class HyperHead(nn.Module):
         return (pre[..., None] * streams).sum(axis=2).astype(streams.dtype)
 
 
-class LimitedSwiGLU(nn.Module):
+class LimitedSwiGLU(SwiGLU):
     """SwiGLU with the gate clipped from above and the up projection on both sides."""
 
     def __init__(self, limit: float):
@@ -544,6 +548,7 @@ class MoEGate(nn.Module):
         self.scoring_func = args.scoring_func
         self.routed_scaling_factor = args.routed_scaling_factor
         self.weight = mx.zeros((args.n_routed_experts, args.hidden_size))
+        assert args.mlp_layer_types is not None, "set by __post_init__"
         if args.mlp_layer_types[layer_idx] == "hash_moe":
             # Checkpoints bring the table; spread tokens over experts until then.
             ids = mx.arange(args.vocab_size)[:, None] * self.top_k + mx.arange(self.top_k)
@@ -576,7 +581,7 @@ class MoE(nn.Module):
         self.shared_experts = MLP(
             args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, args.swiglu_limit
         )
-        self.sharding_group = None
+        self.sharding_group: mx.distributed.Group | None = None
 
     def __call__(self, x: mx.array, input_ids: mx.array) -> mx.array:
         inds, weights = self.gate(x, input_ids)
@@ -636,7 +641,7 @@ def shard_heads(attn: Attention, group: mx.distributed.Group) -> None:
         w = w.reshape(attn.o_groups, per_group, width, *w.shape[1:])
         return mx.contiguous(w[:, rank * local : (rank + 1) * local].reshape(-1, *w.shape[3:]))
 
-    attn.wq_b.update({name: own(w, attn.head_dim) for name, w in attn.wq_b.parameters().items()})
+    attn.wq_b.update(tree_map(lambda w: own(w, attn.head_dim), attn.wq_b.parameters()))
     attn.attn_sink = own(attn.attn_sink, 1)
     attn.n_heads = attn.o_groups * local
     shard_inplace(attn.wo_a, "sharded-to-all", group=group)
@@ -677,7 +682,7 @@ class Model(nn.Module):
         n_layers = self.args.num_hidden_layers
         # DeepSeek's own checkpoints ship FP8 weights and FP4 routed experts, each with a
         # `.scale` beside it; mlx works on the dequantized (bfloat16) weights.
-        dequantized = {}
+        dequantized: dict[str, mx.array] = {}
         for name, value in weights.items():
             if name.endswith(".scale") and name.removesuffix("scale") + "weight" in weights:
                 continue
@@ -687,7 +692,7 @@ class Model(nn.Module):
                 value = dequantize_fp4(value, scale) if fp4 else dequantize_fp8(value, scale)
             dequantized[name] = value
 
-        renamed = {}
+        renamed: dict[str, mx.array] = {}
         for name, value in dequantized.items():
             name = name.removeprefix("model.")
             parts = name.split(".")

@@ -38,8 +38,8 @@ def shard_attention(attn: nn.Module, group: mx.distributed.Group, heads_attr: st
     """Heads split across ranks: q/k/v column-split, o row-split with the all-sum.
     `kv_heads_attr` is None for layers that read another layer's keys and values."""
     n = group.size()
-    attn.q_proj = shard_linear(attn.q_proj, "all-to-sharded", group=group)
-    attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+    attn["q_proj"] = shard_linear(attn["q_proj"], "all-to-sharded", group=group)
+    attn["o_proj"] = shard_linear(attn["o_proj"], "sharded-to-all", group=group)
     setattr(attn, heads_attr, getattr(attn, heads_attr) // n)
     if kv_heads_attr is None:
         return

@@ -12,25 +12,26 @@ layers, k_eq_v full-attention layers, and on the MoE models a dense MLP beside t
 - The per-layer-input gate (E2B/E4B) is small and runs replicated."""
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx_lm.models import gemma4, gemma4_text
 
 from exo.engine.mlx.sharding.common import AllSum, shard_attention, shard_mlp, shard_weights_inplace
 
 
-def shard(model: nn.Module, group: mx.distributed.Group) -> None:
+def shard(model: gemma4.Model | gemma4_text.Model, group: mx.distributed.Group) -> None:
     for layer in model.layers:
         attn = layer.self_attn
         shard_attention(attn, group, "n_heads", "n_kv_heads" if attn.has_kv else None)
         shard_mlp(layer.mlp, group, ("gate_proj", "up_proj"), "down_proj")
         if layer.enable_moe:
             shard_weights_inplace(layer.experts.switch_glu, group, ("gate_proj", "up_proj"), "down_proj")
-            layer.experts = AllSum(layer.experts, group)
+            # Set as an item: mlx-lm types `experts` as its Experts class.
+            layer["experts"] = AllSum(layer.experts, group)
 
 
-def fix_pipeline(model: nn.Module, start: int, end: int) -> None:
+def fix_pipeline(model: gemma4.Model | gemma4_text.Model, start: int, end: int) -> None:
     """After slicing to layers [start, end): the KV-sharing map, the per-layer inputs
     and the caches were all built for the full stack; make them describe this rank's."""
-    text = getattr(model, "language_model", model)
+    text = model.language_model if isinstance(model, gemma4.Model) else model
     inner, args = text.model, text.args
     sources = [inner.previous_kvs[i] - start for i in range(start, end)]
     if any(source < 0 for source in sources):

@@ -8,27 +8,34 @@ groups with their heads. The conv runs over [x | B | C] channel by channel and s
 the same way; the gated norm normalises within a group, so it needs no communication."""
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.nemotron_h import (
+    Model,
+    NemotronHAttention,
+    NemotronHBlock,
+    NemotronHMamba2Mixer,
+    NemotronHMLP,
+    NemotronHMoE,
+)
 
 from exo.engine.mlx.sharding.common import AllSum, shard_attention, shard_mlp, shard_weights_inplace
 
 
-def shard(model: nn.Module, group: mx.distributed.Group) -> None:
+def shard(model: Model, group: mx.distributed.Group) -> None:
     for layer in model.layers:
-        match layer.block_type:
-            case "M":
+        match layer.mixer:
+            case NemotronHMamba2Mixer():
                 _shard_mamba(layer.mixer, group)
-            case "*":
+            case NemotronHAttention():
                 shard_attention(layer.mixer, group, "num_heads", "num_key_value_heads")
-            case "-":
+            case NemotronHMLP():
                 shard_mlp(layer.mixer, group, ("up_proj",), "down_proj")
-            case "E":
-                _shard_moe(layer, group)
+            case NemotronHMoE():
+                _shard_moe(layer, layer.mixer, group)
 
 
-def _shard_mamba(mixer: nn.Module, group: mx.distributed.Group) -> None:
+def _shard_mamba(mixer: NemotronHMamba2Mixer, group: mx.distributed.Group) -> None:
     n, rank = group.size(), group.rank()
     if mixer.n_groups % n:
         raise ValueError(f"{mixer.n_groups} SSM groups do not split over {n} ranks")
@@ -48,20 +55,20 @@ def _shard_mamba(mixer: nn.Module, group: mx.distributed.Group) -> None:
     mixer.conv_dim //= n
 
 
-def _shard_moe(layer: nn.Module, group: mx.distributed.Group) -> None:
+def _shard_moe(layer: NemotronHBlock, moe: NemotronHMoE, group: mx.distributed.Group) -> None:
     """Routed and shared experts each keep a slice of their hidden units; the block's
     output is summed once. The router and the latent projections stay whole."""
-    moe = layer.mixer
     shard_weights_inplace(moe.switch_mlp, group, ("fc1",), "fc2")
     if "shared_experts" in moe:
         shard_weights_inplace(moe.shared_experts, group, ("up_proj",), "down_proj")
     if "fc2_latent_proj" in moe and "bias" in moe.fc2_latent_proj:
         # Applied to each rank's partial sum before the all-sum: a share of the bias each.
         moe.fc2_latent_proj.bias = moe.fc2_latent_proj.bias / group.size()
-    layer.mixer = AllSum(moe, group)
+    # Set as an item: mlx-lm's block types `mixer` as one of its four mixer classes.
+    layer["mixer"] = AllSum(moe, group)
 
 
-def fix_pipeline(model: nn.Module, start: int, end: int) -> None:
+def fix_pipeline(model: Model, start: int, end: int) -> None:
     """The backbone builds its masks from the cache of its first attention and first
     Mamba layer, by index into the cache list (which holds only M and * layers). A rank
     without one of the two kinds gets a spare, never-written cache of that kind at the

@@ -7,28 +7,29 @@ heads with the value heads that belong to them; the conv channels are [q | k | v
 split per part."""
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
+from mlx_lm.models.qwen3_next import Model, Qwen3NextGatedDeltaNet, Qwen3NextSparseMoeBlock
 
 from exo.engine.mlx.sharding.common import shard_attention, shard_mlp, shard_weights_inplace
 
 
-def shard(model: nn.Module, group: mx.distributed.Group) -> None:
+def shard(model: Model, group: mx.distributed.Group) -> None:
     for layer in model.layers:
         if layer.is_linear:
             _shard_delta_net(layer.linear_attn, group)
         else:
             shard_attention(layer.self_attn, group, "num_attention_heads", "num_key_value_heads")
-        if hasattr(layer.mlp, "switch_mlp"):
-            # The block sums routed and shared experts, then all-sums once.
-            layer.mlp.sharding_group = group
+        if isinstance(layer.mlp, Qwen3NextSparseMoeBlock):
+            # The block sums routed and shared experts, then all-sums once. mlx-lm starts
+            # the attribute at None without declaring it may hold a group.
+            layer.mlp.sharding_group = group  # pyright: ignore[reportAttributeAccessIssue]
             shard_weights_inplace(layer.mlp.switch_mlp, group, ("gate_proj", "up_proj"), "down_proj")
             shard_weights_inplace(layer.mlp.shared_expert, group, ("gate_proj", "up_proj"), "down_proj")
         else:
             shard_mlp(layer.mlp, group, ("gate_proj", "up_proj"), "down_proj")
 
 
-def _shard_delta_net(net: nn.Module, group: mx.distributed.Group) -> None:
+def _shard_delta_net(net: Qwen3NextGatedDeltaNet, group: mx.distributed.Group) -> None:
     n, rank = group.size(), group.rank()
     if net.num_k_heads % n:
         raise ValueError(f"{net.num_k_heads} linear-attention key heads do not split over {n} ranks")
