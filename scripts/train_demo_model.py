@@ -763,7 +763,7 @@ class Grammar:
     ]
 
     def exchange(self):
-        names, weights = zip(*self.TOPICS)
+        names, weights = zip(*self.TOPICS, strict=True)
         name = self.r.choices(names, weights)[0]
         return getattr(self, name)()
 

@@ -25,14 +25,6 @@ class ShardBase(FrozenModel):
             raise ValueError("need start_layer < end_layer <= n_layers")
         return self
 
-    @property
-    def is_first(self) -> bool:
-        return self.device_rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.device_rank == self.world_size - 1
-
 
 class PipelineShardMetadata(ShardBase):
     """A contiguous layer range; activations flow rank r -> r+1."""
