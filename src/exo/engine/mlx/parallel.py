@@ -11,7 +11,7 @@ else mlx-lm's `shard(group)` (column-split in, row-split out, one all-sum per bl
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -90,8 +90,9 @@ def set_pipeline_sharing(model: nn.Module, share: bool) -> None:
             layer.share = share
 
 
-def inner_model(model: nn.Module) -> nn.Module:
-    """The module that owns `.layers` (mlx-lm models mostly keep it at `model.model`)."""
+def inner_model(model: nn.Module) -> Any:
+    """The module that owns `.layers` (mlx-lm models mostly keep it at `model.model`).
+    Any: each architecture's inner module has its own attributes."""
     candidates = (
         getattr(model, "model", None),
         getattr(model, "backbone", None),  # NemotronH
@@ -128,7 +129,7 @@ class _SoloGroup:
         return 1
 
 
-def _fix_layer_indices(inner: nn.Module, start: int, end: int) -> None:
+def _fix_layer_indices(inner: Any, start: int, end: int) -> None:
     """Some models pick a mask or cache by a layer's index into the full stack, or zip
     their layers with a per-layer list; after slicing, both must describe this rank's layers."""
     local = list(inner.layers)
@@ -173,8 +174,8 @@ def apply_tensor(model: nn.Module, model_type: str, group: mx.distributed.Group)
     strategy = tensor_strategy(model_type)
     if strategy is not None:
         strategy(model, group)
-    elif hasattr(model, "shard"):
-        model.shard(group)
+    elif callable(shard := getattr(model, "shard", None)):
+        shard(group)
     else:
         raise ValueError(f"{model_type} has no tensor-parallel strategy")
 
@@ -195,9 +196,9 @@ def broadcast_bytes(payload: bytes | None, group: mx.distributed.Group, stream: 
     be in flight (mlx-lm evaluates the next token asynchronously)."""
     is_root = group.rank() == 0
     size = mx.distributed.all_sum(mx.array([len(payload) if is_root and payload else 0]), group=group, stream=stream)
-    n = int(size.item())
+    n = cast(int, size.item())
     if n == 0:
         return b""
     data = mx.array(list(payload), dtype=mx.int32) if is_root and payload else mx.zeros((n,), dtype=mx.int32)
     total = mx.distributed.all_sum(data, group=group, stream=stream)
-    return bytes(total.astype(mx.uint8).tolist())
+    return bytes(cast(list[int], total.astype(mx.uint8).tolist()))
