@@ -12,12 +12,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 class ApiError(Exception):
-    def __init__(self, status_code: int, message: str, code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.code = code
         self.param = param
+        # Seconds, sent as a Retry-After header: when a retry may succeed.
+        self.retry_after = retry_after
 
 
 def error_body(message: str, error_type: str, code: str | None = None, param: str | None = None) -> dict:
@@ -71,7 +80,10 @@ def error_response(
 
 async def api_error_handler(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, ApiError)
-    return error_response(request, error.status_code, error.message, code=error.code, param=error.param)
+    response = error_response(request, error.status_code, error.message, code=error.code, param=error.param)
+    if error.retry_after is not None:
+        response.headers["Retry-After"] = str(error.retry_after)
+    return response
 
 
 async def validation_error_handler(request: Request, error: Exception) -> JSONResponse:

@@ -25,6 +25,9 @@ class ApiSettings:
     offline: bool = False
     # --auto-place / --no-auto-place; None: on only in a one-node cluster.
     auto_place: bool | None = None
+    # How long a request whose instance went away before its first token waits for
+    # another instance of the model (the master re-places a lost one) before a 503.
+    reroute_seconds: float = 60.0
 
 
 class ClusterPort(Protocol):
