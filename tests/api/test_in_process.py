@@ -134,3 +134,55 @@ def test_cancelling_an_unknown_request_is_a_404():
         assert response.status_code == 404 and response.json()["error"]["code"] == "request_not_found"
 
     run(test)
+
+
+def lost_on_first_try(cluster: FakeCluster, replace: bool) -> Callable[[CommandId], list[ChunkGenerated]]:
+    """The first generation's instance is lost before its first token (a node left);
+    later ones are answered."""
+    tries: list[CommandId] = []
+
+    def script(command_id: CommandId) -> list[ChunkGenerated]:
+        tries.append(command_id)
+        if len(tries) == 1:
+            task = next(t for t in cluster.state.tasks.values() if t.command_id == command_id)
+            cluster.lose_instance(task.instance_id, replace)
+            return []
+        return answer(command_id)
+
+    return script
+
+
+def test_a_request_whose_instance_is_lost_before_its_first_token_is_routed_again():
+    async def test(cluster: FakeCluster, client: httpx.AsyncClient) -> None:
+        assert (await client.post("/place_instance", json={"model_id": MODEL})).status_code == 200
+        cluster.script = lost_on_first_try(cluster, replace=True)
+        response = await client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] == "Blue."
+        sent = [c for c in cluster.commands if isinstance(c, TextGeneration)]
+        # Sent twice under one id: the client's id does not change.
+        assert len(sent) == 2 and sent[0].command_id == sent[1].command_id
+        assert response.json()["id"] == f"chatcmpl-{sent[0].command_id}"
+
+        cluster.script = lost_on_first_try(cluster, replace=True)
+        stream = await client.post("/v1/messages", json={**CHAT, "stream": True, "max_tokens": 8})
+        events = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: ")]
+        assert "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta") == "Blue."
+        assert not any(e["type"] == "error" for e in events)
+
+    run(test)
+
+
+def test_when_no_instance_comes_back_the_request_gets_a_503_with_retry_after():
+    async def test(cluster: FakeCluster, client: httpx.AsyncClient) -> None:
+        for path, body in [("/v1/chat/completions", CHAT), ("/v1/messages", {**CHAT, "max_tokens": 8})]:
+            assert (await client.post("/place_instance", json={"model_id": MODEL})).status_code == 200
+            cluster.script = lost_on_first_try(cluster, replace=False)
+            response = await client.post(path, json=body)
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == "5"
+            message = response.json()["error"]["message"]
+            assert "left the cluster" in message and "retry later" in message
+        assert response.json()["type"] == "error" and response.json()["error"]["type"] == "overloaded_error"
+
+    run(test, reroute_seconds=0.5, auto_place=False)

@@ -126,3 +126,36 @@ def test_requests_go_to_the_least_loaded_instance(tmp_path, tiny_models_dir):
             if e["event"]["kind"] == "TaskCreated"
         ]
         assert sorted(created) == sorted(instance_ids), "the second request should go to the idle instance"
+
+
+def test_a_request_right_after_the_master_died_with_its_instance_is_served(tmp_path, tiny_models_dir):
+    """The master held the only instance. A request sent as soon as a new master is
+    elected is routed to the old instance, which the new master then deletes; it must
+    not fail (it had no token yet) but wait for the re-placed instance."""
+    with loopback_cluster(3, tmp_path, {"EXO_MODELS_DIRS": str(tiny_models_dir)}) as nodes:
+        states = wait_converged(nodes)
+        master_id = states[0]["masterNodeId"]
+        ids = {n.node_id(): n for n in nodes}
+        master = ids[master_id]
+        survivors = [n for node_id, n in ids.items() if node_id != master_id]
+        previews = master.get("/instance/previews", params={"model_id": TINY_MODEL_ID}).json()
+        preview = next(p for p in previews if p["instance"] and p["nodeIds"] == [master_id])
+        response = master.post("/instance", json={"instance": preview["instance"]})
+        assert response.status_code == 200, response.text
+        lost_instance = response.json()["instance_id"]
+        survivors[0].wait_for_state(
+            lambda s: any(r["kind"] == "RunnerReady" for r in s["runners"].values()), timeout=60, what="ready"
+        )
+
+        os.kill(master.process.pid, signal.SIGKILL)
+        for node in survivors:
+            node.wait_for_state(lambda s: s["masterNodeId"] not in (None, master_id), timeout=10, what="new master")
+        sent_at = time.monotonic()
+        sdk = openai.OpenAI(base_url=f"{survivors[0].url}/v1", api_key="unused", max_retries=0, timeout=120)
+        completion = sdk.chat.completions.create(
+            model=TINY_MODEL_ID, messages=[{"role": "user", "content": "still there?"}], max_tokens=4
+        )
+        print(f"served {time.monotonic() - sent_at:.1f}s after it was sent")
+        assert completion.usage.completion_tokens > 0
+        state = survivors[1].state()
+        assert master_id not in state["nodes"] and lost_instance not in state["instances"]

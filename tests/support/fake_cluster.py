@@ -22,7 +22,7 @@ from exo.shared.types.commands import (
     TaskFinished,
     TextGeneration,
 )
-from exo.shared.types.common import CommandId, NodeId, TaskId, new_id
+from exo.shared.types.common import CommandId, InstanceId, NodeId, TaskId, new_id
 from exo.shared.types.events import (
     CustomModelCardAdded,
     Event,
@@ -33,11 +33,12 @@ from exo.shared.types.events import (
     RunnerStatusUpdated,
     TaskCreated,
     TaskDeleted,
+    TaskStatusUpdated,
 )
 from exo.shared.types.nodes import MemoryInfo, NodeInfo
 from exo.shared.types.runners import RunnerReady
 from exo.shared.types.state import State
-from exo.shared.types.tasks import TextGenerationTask
+from exo.shared.types.tasks import TaskStatus, TextGenerationTask
 from exo.shared.types.text_generation import ChunkGenerated
 
 GiB = 2**30
@@ -106,6 +107,27 @@ class FakeCluster:
                         self.emit(TaskDeleted(task_id=task.task_id))
             case _:
                 pass
+
+    def lose_instance(self, instance_id: InstanceId, replace: bool) -> None:
+        """What the master does when a node of the instance leaves: fail its tasks'
+        streams (retryable: the cluster's fault), delete it, and re-place the model when
+        `replace` (here: the same shards under a new id, ready at once)."""
+        instance = self.state.instances[instance_id]
+        reason = "node node-b left the cluster"
+        for task in list(self.state.tasks.values()):
+            if task.instance_id == instance_id:
+                message = f"instance {instance_id} was deleted: {reason}"
+                self.emit(TaskStatusUpdated(task_id=task.task_id, status=TaskStatus.Failed, error_message=message))
+                self.publish_chunk(
+                    ChunkGenerated(
+                        command_id=task.command_id, finish_reason="error", error_message=message, retryable=True
+                    )
+                )
+        self.emit(InstanceDeleted(instance_id=instance_id, reason=reason))
+        if replace:
+            self.send_command(
+                CreateInstance(instance=instance.model_copy(update={"instance_id": InstanceId(new_id())}))
+            )
 
     def _answer(self, command: TextGeneration) -> None:
         instance = next(i for i in self.state.instances.values() if i.model_id == command.params.model)

@@ -6,18 +6,20 @@ ends or the client leaves, which is also how generation is cancelled."""
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from loguru import logger
 
 from exo.api.adapters.wire import SSE, Encoder
 from exo.api.checks import checked_params
 from exo.api.errors import ApiError
-from exo.api.instance_watch import watch_instances
+from exo.api.instance_watch import InstancesSeen, watch_instances
 from exo.api.placing import AutoPlacer, card_or_404
 from exo.api.port import ClusterPort
-from exo.shared.queries import has_task_for, layers_loaded
+from exo.shared.queries import has_task_for, instances_of, is_serving, layers_loaded
 from exo.shared.types.commands import TaskFinished, TextGeneration
 from exo.shared.types.common import InstanceId
 from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams
@@ -28,6 +30,8 @@ ACCEPT_TIMEOUT_SECONDS = 15.0
 PLACE_TIMEOUT_SECONDS = 3600.0
 # Streams waiting for a model send a comment this often, so clients and proxies wait too.
 KEEPALIVE_SECONDS = 2.0
+# What a 503 for a request no instance could take tells the client to wait.
+RETRY_AFTER_SECONDS = 5
 # How often a non-streamed request checks that its client is still there.
 DISCONNECT_POLL_SECONDS = 0.5
 
@@ -47,6 +51,9 @@ class Generation:
         self.placing = placing
         self._sent = False
         self._finished = False
+        self._rerouting_since: float | None = None
+        # Instances this request was sent to that failed it: not tried again.
+        self._failed_instances: set[InstanceId] = set()
 
     async def start(self) -> AsyncIterator[str]:
         """Waits for the instance being placed (yielding a keep-alive comment every few
@@ -79,13 +86,12 @@ class Generation:
             )
 
     async def _wait_for_instance(self, instance_id: InstanceId) -> AsyncIterator[str]:
-        first_chunk = asyncio.ensure_future(self.queue.get())
+        """Until the instance placed for this request serves; keep-alive comments meanwhile."""
         last_failure = ""
         next_comment = 0.0
-        try:
-            async for seen in watch_instances(
-                self.cluster, instance_id, every=KEEPALIVE_SECONDS, interrupt=first_chunk
-            ):
+        # Closed on return, so its pending read of the queue takes no chunk meant for later.
+        async with aclosing(self._watch(instance_id=instance_id)) as watch:
+            async for seen in watch:
                 if seen.gone is not None:
                     raise ApiError(
                         503,
@@ -99,21 +105,82 @@ class Generation:
                 if seen.waited > PLACE_TIMEOUT_SECONDS:
                     raise ApiError(503, "timed out waiting for the model to load", code="model_load_timeout")
                 if seen.waited >= next_comment:
-                    progress = layers_loaded(seen.state, seen.instances[0]) if seen.instances else None
-                    yield f": loading model {progress[0]}/{progress[1]} layers\n\n" if progress else ": waiting\n\n"
+                    yield loading_comment(seen)
                     next_comment = seen.waited + KEEPALIVE_SECONDS
+
+    async def _route_again(self, failure: ChunkGenerated) -> AsyncIterator[str]:
+        """The instance the request went to is gone (or none served) before a token came:
+        wait for an instance of the model to serve, the one the master re-places after a
+        lost node included, and send the command again under the same id. Raises a 503
+        with Retry-After when none serves within the settings' reroute time."""
+        loop = asyncio.get_running_loop()
+        # One deadline over every attempt: this node's State may still show an instance
+        # the master already knows is gone, and the master then refuses again.
+        if self._rerouting_since is None:
+            self._rerouting_since = loop.time()
+        self._failed_instances |= self._instances_that_failed_it()
+        limit = self.cluster.settings.reroute_seconds
+        logger.info(f"request {self.command_id}: {failure.error_message}; routing it again")
+        next_comment = 0.0
+        found = False
+        async with aclosing(self._watch(model_id=self.command.params.model)) as watch:
+            async for seen in watch:
+                waited = loop.time() - self._rerouting_since
+                serving = [i for i in seen.instances if is_serving(seen.state, i)]
+                if any(i.instance_id not in self._failed_instances for i in serving):
+                    found = True
+                    break
+                if waited > limit:
+                    raise ApiError(
+                        503,
+                        f"no instance of '{self.command.params.model}' could serve within {limit:.0f} s "
+                        f"({failure.error_message}); retry later",
+                        code="no_instance",
+                        retry_after=RETRY_AFTER_SECONDS,
+                    )
+                if seen.waited >= next_comment:
+                    yield loading_comment(seen)
+                    next_comment = seen.waited + KEEPALIVE_SECONDS
+        # Sent only once the watch is closed, so no chunk of the answer goes to its read.
+        if found:
+            self.cluster.send_command(self.command)
+            await self._wait_until_accepted()
+
+    def _instances_that_failed_it(self) -> set[InstanceId]:
+        """The instance this request's task ran on; without a task (the master found no
+        instance), the ones this node still thinks serve: the master knows better."""
+        state = self.cluster.state
+        ran_on = {t.instance_id for t in state.tasks.values() if t.command_id == self.command_id}
+        model = self.command.params.model
+        return ran_on or {i.instance_id for i in instances_of(state, model) if is_serving(state, i)}
+
+    async def _watch(self, instance_id: InstanceId | None = None, model_id: str | None = None):
+        """Instances as they change, at least every keep-alive interval; ends with the
+        first chunk that arrives meanwhile (a cancel), kept in `early`."""
+        first_chunk = asyncio.ensure_future(self.queue.get())
+        try:
+            async for seen in watch_instances(self.cluster, instance_id, model_id, KEEPALIVE_SECONDS, first_chunk):
+                yield seen
             self.early = [first_chunk.result()]
         finally:
             first_chunk.cancel()
 
-    async def chunks(self) -> AsyncIterator[ChunkGenerated]:
-        """Until the chunk that finishes the generation."""
-        for chunk in self.early:
-            yield chunk
-            if chunk.finish_reason is not None:
-                return
+    async def chunks(self) -> AsyncIterator[ChunkGenerated | str]:
+        """The chunks until the one that finishes the generation, and keep-alive comments
+        while the request is routed again. An error the cluster caused before the first
+        token does not end the request: it is sent to another instance."""
+        produced = False
         while True:
-            chunk = await self.queue.get()
+            chunk = self.early.pop(0) if self.early else await self.queue.get()
+            if chunk.finish_reason == "error" and chunk.retryable and not produced:
+                try:
+                    async for comment in self._route_again(chunk):
+                        yield comment
+                except ApiError as error:
+                    yield chunk.model_copy(update={"error_message": error.message})
+                    return
+                continue
+            produced = produced or bool(chunk.text or chunk.reasoning or chunk.tool_calls)
             yield chunk
             if chunk.finish_reason is not None:
                 return
@@ -142,7 +209,7 @@ class Generation:
             self.finish()
 
     async def _gather(self) -> list[ChunkGenerated]:
-        return [chunk async for chunk in self.chunks()]
+        return [chunk async for chunk in self.chunks() if isinstance(chunk, ChunkGenerated)]
 
 
 async def start_generation(
@@ -183,6 +250,10 @@ def stream_response(generation: Generation, encoder: Encoder) -> StreamingRespon
             for event in encoder.start():
                 yield encoder.wire(event)
             async for chunk in generation.chunks():
+                if isinstance(chunk, str):
+                    if encoder.media_type == SSE:
+                        yield chunk
+                    continue
                 for event in encoder.feed(chunk):
                     yield encoder.wire(event)
             yield encoder.closing
@@ -214,6 +285,12 @@ async def respond(
     return encoder.body()
 
 
+def loading_comment(seen: InstancesSeen) -> str:
+    """An SSE comment saying how far the instance's runners have loaded the model."""
+    progress = next((p for i in seen.instances if (p := layers_loaded(seen.state, i)) is not None), None)
+    return f": loading model {progress[0]}/{progress[1]} layers\n\n" if progress else ": waiting\n\n"
+
+
 def generation_error(chunk: ChunkGenerated) -> ApiError:
     """The error for a generation that ended in one. A generation that ran to its end but
     whose output could not be parsed (a tool call left open or malformed) comes from the
@@ -221,6 +298,9 @@ def generation_error(chunk: ChunkGenerated) -> ApiError:
     yet the model's answer cannot be given in the shape the request asked for (and SDKs,
     which retry 5xx, do not rerun it). A failed runner or a lost task has no usage: 500."""
     message = chunk.error_message or "generation failed"
+    if chunk.retryable:
+        # The cluster's doing (an instance went away), never a 500.
+        return ApiError(503, message, code="no_instance", retry_after=RETRY_AFTER_SECONDS)
     if chunk.usage is not None:
         return ApiError(422, f"the model's output could not be parsed: {message}", code="invalid_model_output")
     return ApiError(500, message, code="generation_failed")

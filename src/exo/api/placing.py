@@ -68,13 +68,17 @@ class AutoPlacer:
 
     def require_instance(self, cluster: ClusterPort, model: str) -> InstanceId | None:
         """None when an instance of the model serves; else the instance to wait for: one
-        being loaded, or one placed now when auto-placement is on. A 404 for an unknown
-        model, or a known one not placed when auto-placement is off; a 400 when the model
-        cannot be placed."""
+        being loaded (placed by anyone, or re-placed by the master after a node left), or
+        one placed now when auto-placement is on. A 404 for an unknown model, or a known
+        one with no instance when auto-placement is off; a 400 when the model cannot be
+        placed."""
         card_or_404(cluster, model)
         state = cluster.state
         if least_loaded_instance(state, ModelId(model)) is not None:
             return None
+        loading = instances_of(state, model)
+        if loading:
+            return loading[0].instance_id
         if not auto_place_enabled(cluster.settings.auto_place, state):
             raise ApiError(
                 404,
@@ -82,9 +86,6 @@ class AutoPlacer:
                 code="model_not_loaded",
                 param="model",
             )
-        loading = instances_of(state, model)
-        if loading:
-            return loading[0].instance_id
         now = time.monotonic()
         if model in self._placed:
             instance_id, placed_at = self._placed[model]

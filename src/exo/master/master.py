@@ -198,5 +198,5 @@ class Master:
     def _fail_stream(self, command_id: CommandId, message: str) -> None:
         self.router.publish(
             Topic.CHUNKS,
-            ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message),
+            ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message, retryable=True),
         )

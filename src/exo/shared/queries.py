@@ -51,5 +51,7 @@ def least_loaded_instance(state: State, model_id: ModelId) -> InstanceId | None:
 
 
 def has_task_for(state: State, command_id: CommandId) -> bool:
-    """The master has made a task of this command (and it is not yet dropped)."""
-    return any(task.command_id == command_id for task in state.tasks.values())
+    """The master has made a task of this command that has not finished."""
+    return any(
+        task.command_id == command_id and task.status not in FINISHED_TASK_STATUSES for task in state.tasks.values()
+    )

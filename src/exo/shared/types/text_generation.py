@@ -120,5 +120,8 @@ class ChunkGenerated(FrozenModel):
     # Which of the request's stop sequences ended the answer (finish_reason "stop").
     stop_sequence: str | None = None
     error_message: str | None = None
+    # The error was the cluster's, not the request's nor the model's: the instance went
+    # away or none serves the model. A request that has no token yet may be sent again.
+    retryable: bool = False
     usage: Usage | None = None
     stats: GenerationStats | None = None
