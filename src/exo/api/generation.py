@@ -24,8 +24,10 @@ from exo.shared.types.commands import TaskFinished, TextGeneration
 from exo.shared.types.common import InstanceId
 from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams
 
-# A command can be lost while the cluster elects a new master; don't wait forever.
-ACCEPT_TIMEOUT_SECONDS = 15.0
+# A command can be lost while the cluster elects a new master: send it again this often,
+# and give up after the timeout (an election takes a few seconds).
+RESEND_SECONDS = 3.0
+ACCEPT_TIMEOUT_SECONDS = 20.0
 # How long a request waits for the model it placed to download, load and warm up.
 PLACE_TIMEOUT_SECONDS = 3600.0
 # Streams waiting for a model send a comment this often, so clients and proxies wait too.
@@ -69,21 +71,33 @@ class Generation:
             await self._wait_until_accepted()
 
     async def _wait_until_accepted(self) -> None:
-        """Until the master has made a task of the command, or answered with a chunk."""
+        """Until the master has made a task of the command, or answered with a chunk. A
+        command sent while the master was dying is lost: it is sent again every few
+        seconds (the master ignores a copy of one it already took)."""
         first_chunk = asyncio.ensure_future(self.queue.get())
         accepted = asyncio.ensure_future(self.cluster.wait_for(lambda s: has_task_for(s, self.command_id), 3600))
-        done, _ = await asyncio.wait(
-            {first_chunk, accepted}, timeout=ACCEPT_TIMEOUT_SECONDS, return_when=asyncio.FIRST_COMPLETED
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ACCEPT_TIMEOUT_SECONDS
+        try:
+            while loop.time() < deadline:
+                done, _ = await asyncio.wait(
+                    {first_chunk, accepted}, timeout=RESEND_SECONDS, return_when=asyncio.FIRST_COMPLETED
+                )
+                if first_chunk in done:
+                    self.early = [first_chunk.result()]
+                    return
+                if accepted in done:
+                    return
+                self.cluster.send_command(self.command)
+        finally:
+            accepted.cancel()
+            first_chunk.cancel()
+        raise ApiError(
+            503,
+            "the cluster did not accept the request in time (is a master elected?); retry",
+            code="not_accepted",
+            retry_after=RETRY_AFTER_SECONDS,
         )
-        accepted.cancel()
-        if first_chunk in done:
-            self.early = [first_chunk.result()]
-            return
-        first_chunk.cancel()
-        if not done:
-            raise ApiError(
-                503, "the cluster did not accept the request in time (is a master elected?); retry", code="not_accepted"
-            )
 
     async def _wait_for_instance(self, instance_id: InstanceId) -> AsyncIterator[str]:
         """Until the instance placed for this request serves; keep-alive comments meanwhile."""

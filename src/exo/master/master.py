@@ -9,7 +9,7 @@ from loguru import logger
 from exo.master.placement import PlacementError, instance_problem, place_instance
 from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
-from exo.shared.queries import least_loaded_instance
+from exo.shared.queries import has_task_for, least_loaded_instance
 from exo.shared.types.commands import (
     AddCustomModelCard,
     Command,
@@ -88,7 +88,15 @@ class Master:
 
     def _take_office(self) -> None:
         self.emit(MasterElected(node_id=self.node_id))
+        # An election often follows a node's death (the old master's): act on it now,
+        # so streams it served end and its instances are re-placed without a delay.
+        self._drop_lost_nodes()
         self._drop_orphaned_tasks()
+
+    def _drop_lost_nodes(self) -> None:
+        alive = self.alive_nodes()
+        for node_id in [n for n in self.state.nodes if n not in alive]:
+            self.node_left(node_id)
 
     def _drop_orphaned_tasks(self) -> None:
         """Tasks whose client stream is gone: asked through a node process that left
@@ -105,9 +113,7 @@ class Master:
             # notices it is behind and asks for the rest.
             if self.replica.history:
                 self.router.publish(Topic.GLOBAL_EVENTS, self.replica.history[-1])
-            alive = self.alive_nodes()
-            for node_id in [n for n in self.state.nodes if n not in alive]:
-                self.node_left(node_id)
+            self._drop_lost_nodes()
             self._drop_orphaned_tasks()
 
     def node_left(self, node_id: NodeId) -> None:
@@ -182,6 +188,8 @@ class Master:
         self.emit(InstanceDeleted(instance_id=instance_id, reason=reason))
 
     def _start_text_generation(self, command_id: CommandId, model_id: ModelId, command: TextGeneration) -> None:
+        if has_task_for(self.state, command_id):
+            return  # the API sends a command again when it was not accepted in time
         instance_id = least_loaded_instance(self.state, model_id)
         if instance_id is None:
             self._fail_stream(command_id, f"no running instance serves model '{model_id}'")
