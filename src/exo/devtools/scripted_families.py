@@ -245,6 +245,20 @@ HARMONY_TEMPLATE = r"""
 {%- if add_generation_prompt -%}{{- '<|start|>assistant' -}}{%- endif -%}
 """
 
+# DeepSeek-R1-Distill-Llama's template, cut down: a `llama` model whose generation prompt
+# opens the thinking block. Nothing in the family table says it thinks; only its
+# tokenizer's `<think>` tokens do.
+R1_DISTILL_TEMPLATE = r"""
+{{- bos_token -}}
+{%- if messages[0].role == 'system' -%}{{- messages[0].content -}}{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' -%}{{- '<｜User｜>' + message.content -}}
+{%- elif message.role == 'assistant' -%}{{- '<｜Assistant｜>' + (message.content or '') + '<｜end▁of▁sentence｜>' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<｜Assistant｜><think>\n' -}}{%- endif -%}
+"""
+
 
 @dataclass(frozen=True)
 class Family:
@@ -370,6 +384,16 @@ FAMILIES: dict[str, Family] = {
         control_tokens=("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|call|>"),
         # Harmony's headers are text to the parser, so they show in the decoded output.
         marker_tokens=("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"),
+    ),
+    "r1_distill_llama": Family(
+        config=TINY_CONFIGS["llama"],
+        model_type="llama",
+        chat_template=R1_DISTILL_TEMPLATE,
+        bos="<｜begin▁of▁sentence｜>",
+        eos="<｜end▁of▁sentence｜>",
+        stop_tokens=("<｜end▁of▁sentence｜>",),
+        control_tokens=_DEEPSEEK_CONTROL,
+        marker_tokens=("<think>", "</think>"),
     ),
     "deepseek_v32": Family(
         config=TINY_CONFIGS["deepseek_v32"],

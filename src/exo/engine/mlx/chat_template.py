@@ -1,79 +1,19 @@
 """Turning chat messages into prompt tokens with the model's own chat template."""
 
-import json
-from typing import Any
-
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from exo.engine.encoding import deepseek_v4, deepseek_v32
+from exo.engine.encoding.chat_prompt import render_prompt
 from exo.engine.parsing.output import think_markers_for
 from exo.engine.parsing.reasoning import repair_unmatched_end
-from exo.engine.reasoning_dialect import apply_reasoning_dialect, template_fields
-from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.shared.types.text_generation import TextGenerationTaskParams
+
+__all__ = ["detected_think_markers", "encode_prompt", "render_prompt"]
 
 
-def template_message(message: ChatMessage, dialect: str = "none") -> dict[str, Any]:
-    role = "system" if message.role == "developer" else message.role
-    rendered: dict[str, Any] = {"role": role, "content": message_text(message)}
-    rendered.update(template_fields(message, dialect))
-    if message.tool_calls:
-        rendered["tool_calls"] = [template_tool_call(call) for call in message.tool_calls]
-    if message.tool_call_id:
-        rendered["tool_call_id"] = message.tool_call_id
-    if message.name:
-        rendered["name"] = message.name
-    return rendered
-
-
-def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    """The call with its arguments as an object. OpenAI clients send them as JSON text, but
-    templates that write each argument in their own markup (GLM's arg_key/arg_value,
-    MiniMax's parameter elements, Gemma 4's call:name{key:value}) iterate over a mapping,
-    and templates that want text write the mapping with tojson."""
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
-        return call
-    if not isinstance(arguments, dict):
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
-
-
-def message_text(message: ChatMessage) -> str:
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
-    return "".join(part.get("text", "") for part in message.content if part.get("type") == "text")
-
-
-def render_prompt(
-    tokenizer: TokenizerWrapper, params: TextGenerationTaskParams, model_type: str, dialect: str = "none"
-) -> str:
-    """The prompt text for a chat request. The card's reasoning dialect decides which
-    earlier reasoning goes back to the model, and how. DeepSeek V3.2 and V4 ship no Jinja
-    template; their prompts come from exo's encoders of the published format."""
-    chat = apply_reasoning_dialect(params.messages, dialect, bool(params.tools))
-    thinking = params.enable_thinking is not False
-    if model_type == "deepseek_v4":
-        return deepseek_v4.encode_messages(chat, params.tools, thinking, params.reasoning_effort)
-    if model_type == "deepseek_v32":
-        return deepseek_v32.encode_messages(chat, params.tools, thinking, params.reasoning_effort)
-    messages = [template_message(m, dialect) for m in chat]
-    if tokenizer.chat_template is None:
-        # Base models have no template: plain concatenation is the honest fallback.
-        return "\n".join(m["content"] for m in messages)
-    extra: dict[str, Any] = {}
-    if params.enable_thinking is not None:
-        extra["enable_thinking"] = params.enable_thinking
-    if params.reasoning_effort is not None:
-        extra["reasoning_effort"] = params.reasoning_effort
-    return tokenizer.apply_chat_template(
-        messages, tools=params.tools, add_generation_prompt=True, tokenize=False, **extra
-    )
+def detected_think_markers(tokenizer: TokenizerWrapper, model_type: str) -> tuple[str, str] | None:
+    """The model's think markers, from the family table or else the tokenizer's vocabulary."""
+    start, end = tokenizer.think_start, tokenizer.think_end
+    return think_markers_for(model_type, (start, end) if start is not None and end is not None else None)
 
 
 def encode_prompt(
@@ -87,7 +27,7 @@ def encode_prompt(
     text = render_prompt(tokenizer, params, model_type, dialect)
     # The template already wrote any BOS it wants.
     tokens = tokenizer.encode(text, add_special_tokens=False)
-    markers = think_markers_for(model_type)
+    markers = detected_think_markers(tokenizer, model_type)
     if markers is not None:
         # An answer sent back as "thought</think>answer" (its start was in the earlier
         # generation prompt) would leave an end marker the model never saw opened.

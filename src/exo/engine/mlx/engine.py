@@ -21,13 +21,13 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 from pydantic import Field, TypeAdapter
 
 from exo.engine.base import LayerProgress
-from exo.engine.mlx.chat_template import encode_prompt
+from exo.engine.mlx.chat_template import detected_think_markers, encode_prompt
 from exo.engine.mlx.constrained import GrammarProcessor, grammar_for, grammar_tokenizer
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.parallel import broadcast_bytes, connect_group, inner_model, set_pipeline_sharing
 from exo.engine.mlx.prefix_cache import PrefixCache
 from exo.engine.parsing.base import Parsed, StreamParser
-from exo.engine.parsing.output import make_output_parser, think_markers_for, tool_format_for
+from exo.engine.parsing.output import make_output_parser, tool_format_for
 from exo.engine.parsing.reasoning import prompt_opens_reasoning
 from exo.engine.stop_sequences import StopSequenceFilter
 from exo.shared.types.common import CommandId, FrozenModel, ModelId
@@ -153,6 +153,7 @@ class MlxEngine:
         self.model_type = ""
         self.reasoning_dialect = "none"
         self.tool_format: str | None = None
+        self.think_markers: tuple[str, str] | None = None
         self.prefix_cache: PrefixCache | None = None
         self.pipeline_ranks = 1
         self._requests: dict[CommandId, _Request] = {}
@@ -171,6 +172,7 @@ class MlxEngine:
         self.model, self.tokenizer = load_shard(model_dir, shard, self.group, on_layer_loaded)
         self.model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
         self.tool_format = tool_format_for(self.model_type, self.tokenizer.chat_template)
+        self.think_markers = detected_think_markers(self.tokenizer, self.model_type)
         self.prefix_cache = PrefixCache(self.model, self.model_type)
         self.pipeline_ranks = shard.world_size if isinstance(shard, PipelineShardMetadata) else 1
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
@@ -271,15 +273,17 @@ class MlxEngine:
         )
 
     def _output_parser(self, params: TextGenerationTaskParams, prompt_text: str) -> StreamParser:
-        markers = think_markers_for(self.model_type)
+        markers = self.think_markers
         # A raw prompt asks for the model's text as it is.
         if params.prompt is not None:
             return make_output_parser(None, None, None, False, None)
         start, end = markers or (None, None)
         opened = markers is not None and prompt_opens_reasoning(prompt_text, *markers)
         tool_format = self.tool_format if params.tools and params.tool_choice != "none" else None
-        if self.tool_format == "harmony":
-            tool_format = "harmony"
+        if self.tool_format in ("harmony", "dsml"):
+            # Harmony's channels are its whole output; DeepSeek writes a DSML block whether
+            # or not the request offered tools, and raw markup is no answer.
+            tool_format = self.tool_format
         return make_output_parser(tool_format, start, end, opened, params.tools)
 
     def _logits_processors(self, params: TextGenerationTaskParams, max_tokens: int, grammar: str | None) -> list[Any]:

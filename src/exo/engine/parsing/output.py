@@ -14,8 +14,13 @@ from exo.engine.parsing.tool_calls import ToolCallParser, tool_call_format
 from exo.shared.models.families import family_facts
 
 
-def think_markers_for(model_type: str) -> tuple[str, str] | None:
-    return family_facts(model_type).think_markers
+def think_markers_for(model_type: str, detected: tuple[str, str] | None = None) -> tuple[str, str] | None:
+    """Where the model's reasoning starts and ends: the family table's markers where it has
+    them (detection cannot tell Gemma 4's start marker includes a newline), else the ones
+    detected from the tokenizer (mlx-lm's TokenizerWrapper finds `<think>`/`</think>` and
+    the like in the vocabulary), so a thinking model of an ordinary architecture
+    (DeepSeek-R1-Distill-Llama is `llama`, QwQ `qwen2`) has its reasoning split too."""
+    return family_facts(model_type).think_markers or detected
 
 
 class _TemplateOnly:

@@ -1,0 +1,76 @@
+"""The prompt text of a chat request, MLX-free: the model's chat template applied to the
+messages as exo passes them (reasoning dialect, tool calls with their arguments as
+objects), or for DeepSeek V3.2 and V4 exo's encoders of the published format. The engine
+renders with it, and the API counts a prompt's tokens with it before sending the request."""
+
+import json
+from typing import Any
+
+from exo.engine.encoding import deepseek_v4, deepseek_v32
+from exo.engine.reasoning_dialect import apply_reasoning_dialect, template_fields
+from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+
+
+def template_message(message: ChatMessage, dialect: str = "none") -> dict[str, Any]:
+    role = "system" if message.role == "developer" else message.role
+    rendered: dict[str, Any] = {"role": role, "content": message_text(message)}
+    rendered.update(template_fields(message, dialect))
+    if message.tool_calls:
+        rendered["tool_calls"] = [template_tool_call(call) for call in message.tool_calls]
+    if message.tool_call_id:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name:
+        rendered["name"] = message.name
+    return rendered
+
+
+def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """The call with its arguments as an object. OpenAI clients send them as JSON text, but
+    templates that write each argument in their own markup (GLM's arg_key/arg_value,
+    MiniMax's parameter elements, Gemma 4's call:name{key:value}) iterate over a mapping,
+    and templates that want text write the mapping with tojson."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def message_text(message: ChatMessage) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(part.get("text", "") for part in message.content if part.get("type") == "text")
+
+
+def render_prompt(tokenizer: Any, params: TextGenerationTaskParams, model_type: str, dialect: str = "none") -> str:
+    """The prompt text for a chat request. The card's reasoning dialect decides which
+    earlier reasoning goes back to the model, and how. DeepSeek V3.2 and V4 ship no Jinja
+    template; their prompts come from exo's encoders of the published format.
+
+    `tokenizer` is mlx-lm's TokenizerWrapper in the engine, a transformers tokenizer in the
+    API: anything with `chat_template` and `apply_chat_template`."""
+    chat = apply_reasoning_dialect(params.messages, dialect, bool(params.tools))
+    thinking = params.enable_thinking is not False
+    if model_type == "deepseek_v4":
+        return deepseek_v4.encode_messages(chat, params.tools, thinking, params.reasoning_effort)
+    if model_type == "deepseek_v32":
+        return deepseek_v32.encode_messages(chat, params.tools, thinking, params.reasoning_effort)
+    messages = [template_message(m, dialect) for m in chat]
+    if tokenizer.chat_template is None:
+        # Base models have no template: plain concatenation is the honest fallback.
+        return "\n".join(m["content"] for m in messages)
+    extra: dict[str, Any] = {}
+    if params.enable_thinking is not None:
+        extra["enable_thinking"] = params.enable_thinking
+    if params.reasoning_effort is not None:
+        extra["reasoning_effort"] = params.reasoning_effort
+    return tokenizer.apply_chat_template(
+        messages, tools=params.tools, add_generation_prompt=True, tokenize=False, **extra
+    )
