@@ -14,7 +14,6 @@ import pytest
 from exo.catalog.catalog import local_cards
 from exo.catalog.model_dirs import find_local_model_dir, is_complete_model_dir
 from exo.devtools.tiny_models import make_tiny_llama
-from exo.worker import download
 from exo.worker.download import (
     DownloadError,
     HubUnreachable,
@@ -24,6 +23,7 @@ from exo.worker.download import (
     fetch_card,
     wanted_file,
 )
+from exo.worker.download import model as download
 from tests.support.fake_hub import FakeHub
 from tests.support.fake_hub import fake_hub as fake_hub  # noqa: F401  (a fixture)
 from tests.support.node import start_node, stop_node
@@ -259,7 +259,9 @@ def test_hub_dying_mid_file_leaves_no_model(fake_hub: FakeHub, tmp_path: Path) -
     assert not (exo_home / "models" / "acme--sharded").exists()
     assert find_local_model_dir("acme/sharded", exo_home) is None
     assert "acme/sharded" not in local_cards(exo_home)
-    assert not list((exo_home / "models").rglob("*.incomplete"))
+    # What arrived stays for the next attempt to resume from.
+    (partial,) = (exo_home / "models").rglob(f"{BIG_SHARD}.partial")
+    assert 0 < partial.stat().st_size <= 3 * MB
 
 
 def test_cancelled_download_leaves_no_model_and_stops(fake_hub: FakeHub, tmp_path: Path) -> None:
@@ -282,23 +284,25 @@ def test_cancelled_download_leaves_no_model_and_stops(fake_hub: FakeHub, tmp_pat
 
     run(start_then_cancel())
     assert not (models / "acme--sharded").exists()
-    # The download thread notices the cancel at its next chunk, drops its partial file and
-    # closes the connection, so the hub stops sending.
-    deadline = time.monotonic() + 10
-    while list(models.rglob("*.incomplete")) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not list(models.rglob("*.incomplete"))
-    time.sleep(0.5)
+    # The download thread notices the cancel at its next chunk and closes the connection,
+    # so the hub stops sending; the bytes it got stay in the partial file.
+    time.sleep(1)
     sent = fake_hub.body_bytes_sent
     time.sleep(1)
-    assert fake_hub.body_bytes_sent == sent < big
+    assert fake_hub.body_bytes_sent == sent
+    (partial,) = models.rglob(f"{BIG_SHARD}.partial")
+    kept = partial.stat().st_size
+    assert 0 < kept < big
 
     fake_hub.throttle_bytes_per_second = None
     fake_hub.requests.clear()
+    before = fake_hub.body_bytes_sent
     path = run(download_model("acme/sharded", models, Recorder(), endpoint=endpoint))
     assert is_complete_model_dir(path)
     fetched = [Path(path).name for method, path in fake_hub.requests if method == "GET" and "/resolve/" in path]
     assert fetched == [BIG_SHARD]  # the files finished before the cancel were kept
+    # ...and the big shard resumed where it stopped (a Range request for the rest).
+    assert fake_hub.body_bytes_sent - before == (path / BIG_SHARD).stat().st_size - kept
 
 
 def test_not_enough_disk_space_fails_before_downloading(
@@ -362,7 +366,10 @@ def test_a_node_downloads_a_placed_model_with_progress_then_serves_it(fake_hub: 
     node = start_node(tmp_path / "home", {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"})
     try:
         # The card comes from the hub's config.json and file list; no weights move yet.
+        # Three 429s first: the node waits them out (Retry-After) instead of failing.
+        fake_hub.retry_after, fake_hub.busy_answers = 0.3, 3
         added = node.post("/models/add", json={"model_id": "acme/from-hub"})
+        assert fake_hub.busy_answers == 0
         assert added.status_code == 200, added.text
         card = added.json()
         config = json.loads((root / "acme--from-hub" / "config.json").read_text())
@@ -371,6 +378,10 @@ def test_a_node_downloads_a_placed_model_with_progress_then_serves_it(fake_hub: 
         assert not any("/resolve/main/model.safetensors" in path for _, path in fake_hub.requests)
         node.wait_for_state(lambda s: "acme/from-hub" in s["customModelCards"], what="custom card")
         assert "acme/from-hub" in [m["id"] for m in node.get("/v1/models").json()["data"]]
+        make_tiny_llama(root / "acme--gated")
+        fake_hub.gated_repos = {"acme/gated"}
+        gated = node.post("/models/add", json={"model_id": "acme/gated"})
+        assert gated.status_code == 403 and "HF_TOKEN" in gated.json()["error"]["message"], gated.text
         for model_id, status, code in (
             ("acme/not-there", 404, "model_not_found"),
             ("not a model id", 400, "invalid_model_id"),

@@ -17,6 +17,17 @@ Knobs a test can turn while the hub runs (attributes of `FakeHub`):
 - `missing_files`: repo-relative paths that stay listed but 404 on download.
 - `die_after_bytes`: after sending this many bytes of one file body, the hub drops the
   connection and shuts down for good (a hub dying mid-file).
+- `corrupt_files`: repo-relative paths served with one byte flipped (same size, same
+  listed hashes), every time they are asked for.
+- `busy_answers` / `retry_after`: the next `busy_answers` requests, whatever they ask,
+  answer `busy_status` (429, or a 5xx) with `Retry-After: retry_after` (counted down);
+  with `busy_match` set, only requests whose path contains it.
+- `gated_repos`: repo ids answering 401 with `X-Error-Code: GatedRepo` to every call.
+- `body_bytes_sent`: file body bytes sent so far, all files and repos together.
+
+File responses carry the real hub's headers: `ETag` (the git blob id, or the sha256 for
+LFS files, which also get `X-Linked-Etag` and `X-Linked-Size`), `Content-Length`,
+`Accept-Ranges`, and `Content-Range` on a 206.
 """
 
 import asyncio
@@ -48,6 +59,12 @@ class FakeHub:
         self.throttle_bytes_per_second = throttle_bytes_per_second
         self.missing_files: set[str] = set()
         self.die_after_bytes: int | None = None
+        self.corrupt_files: set[str] = set()
+        self.busy_answers = 0
+        self.retry_after: float = 1
+        self.busy_status = 429
+        self.busy_match = ""
+        self.gated_repos: set[str] = set()
         # (method, path) of every request, for tests that check what was (not) fetched.
         self.requests: list[tuple[str, str]] = []
         self.body_bytes_sent = 0
@@ -108,6 +125,24 @@ class FakeHub:
     def _make_app(self) -> FastAPI:
         app = FastAPI()
         hub = self
+
+        @app.middleware("http")
+        async def busy_or_gated(request: Request, call_next):
+            parts = request.url.path.removeprefix("/api/models").strip("/").split("/")
+            if "/".join(parts[:2]) in hub.gated_repos:
+                hub.requests.append((request.method, request.url.path))
+                return JSONResponse(
+                    {"error": "Access to this model is restricted. You must be authenticated."},
+                    status_code=401,
+                    headers={"X-Error-Code": "GatedRepo", "X-Error-Message": "Access restricted"},
+                )
+            if hub.busy_answers > 0 and hub.busy_match in request.url.path:
+                hub.busy_answers -= 1
+                hub.requests.append((request.method, request.url.path))
+                return JSONResponse(
+                    {"error": "busy"}, status_code=hub.busy_status, headers={"Retry-After": f"{hub.retry_after:g}"}
+                )
+            return await call_next(request)
 
         def repo_not_found() -> Response:
             return JSONResponse(
@@ -204,9 +239,11 @@ class FakeHub:
                     },
                 )
             size = file.stat().st_size
-            sha256, _ = hub._file_hashes(file)
+            sha256, blob = hub._file_hashes(file)
+            lfs = path.endswith(".safetensors")
             headers = {
-                "ETag": f'"{sha256}"',
+                "ETag": f'"{sha256 if lfs else blob}"',
+                **({"X-Linked-Etag": f'"{sha256}"', "X-Linked-Size": str(size)} if lfs else {}),
                 "X-Repo-Commit": commit,
                 "Accept-Ranges": "bytes",
                 "Content-Type": "application/octet-stream",
@@ -226,11 +263,12 @@ class FakeHub:
             headers["Content-Length"] = str(end - start + 1)
             if request.method == "HEAD":
                 return Response(status_code=status, headers=headers)
-            return StreamingResponse(hub._body(file, start, end), status_code=status, headers=headers)
+            corrupt = path in hub.corrupt_files
+            return StreamingResponse(hub._body(file, start, end, corrupt), status_code=status, headers=headers)
 
         return app
 
-    async def _body(self, path: Path, start: int, end: int) -> AsyncIterator[bytes]:
+    async def _body(self, path: Path, start: int, end: int, corrupt: bool = False) -> AsyncIterator[bytes]:
         sent = 0
         with path.open("rb") as file:
             file.seek(start)
@@ -239,6 +277,8 @@ class FakeHub:
                 chunk = file.read(min(CHUNK_BYTES, remaining))
                 if not chunk:
                     break
+                if corrupt and sent == 0:
+                    chunk = bytes([chunk[0] ^ 0xFF]) + chunk[1:]
                 if self.die_after_bytes is not None and sent + len(chunk) > self.die_after_bytes:
                     yield chunk[: max(self.die_after_bytes - sent, 0)]
                     if self._server is not None:

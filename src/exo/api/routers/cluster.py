@@ -20,7 +20,7 @@ from exo.shared.types.common import InstanceId, ModelId
 from exo.shared.types.downloads import DownloadCompleted
 from exo.shared.types.instances import Instance, InstanceMeta, Sharding
 from exo.shared.types.state import State
-from exo.worker.download import DownloadError, HubUnreachable, InvalidModelId, ModelNotOnHub, fetch_card
+from exo.worker import download
 
 router = APIRouter()
 
@@ -114,14 +114,18 @@ async def add_model_from_hub(cluster: ClusterDep, body: AddModelRequest) -> Mode
             param="model_id",
         )
     try:
-        card = await asyncio.to_thread(fetch_card, body.model_id)
-    except InvalidModelId as error:
+        card = await asyncio.to_thread(download.fetch_card, body.model_id)
+    except download.InvalidModelId as error:
         raise ApiError(400, str(error), code="invalid_model_id", param="model_id") from error
-    except ModelNotOnHub as error:
+    except download.ModelNotOnHub as error:
         raise ApiError(404, str(error), code="model_not_found", param="model_id") from error
-    except HubUnreachable as error:
+    except download.ModelNeedsToken as error:
+        raise ApiError(403, str(error), code="hub_token_required", param="model_id") from error
+    except download.HubUnreachable as error:
         raise ApiError(502, str(error), code="hub_unreachable") from error
-    except DownloadError as error:
+    except download.HubBusy as error:
+        raise ApiError(503, str(error), code="hub_busy") from error
+    except download.DownloadError as error:
         raise ApiError(422, str(error), code="unusable_model", param="model_id") from error
     cluster.send_command(AddCustomModelCard(card=card))
     return card
