@@ -95,13 +95,23 @@ def spawn_node(
     *,
     host: str = "127.0.0.1",
     netns: str | None = None,
+    offline: bool = True,
     **fields,
 ) -> ClusterNode:
-    """Start `python -m exo.main` (inside `netns` if given) without waiting for it."""
+    """Start `python -m exo.main` (inside `netns` if given) without waiting for it;
+    `--offline` unless told otherwise (a test giving the nodes a fake hub)."""
     home.mkdir(parents=True, exist_ok=True)
     log_path = home / "node-output.log"
     env = {**os.environ, "EXO_HOME": str(home), **(env_extra or {})}
-    command = [sys.executable, "-m", "exo.main", "--api-port", str(api_port), "--offline", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "exo.main",
+        "--api-port",
+        str(api_port),
+        *(["--offline"] if offline else []),
+        *args,
+    ]
     if netns is not None:
         command = ["ip", "netns", "exec", netns, *command]  # execs: the pid is python's
     with log_path.open("wb") as log:
@@ -406,10 +416,11 @@ def loopback_cluster(
     env_extra: dict[str, str] | None = None,
     namespace: str | None = None,
     args: Sequence[str] = (),
+    offline: bool = True,
 ) -> Iterator[Cluster]:
     """n nodes joined over 127.0.0.1 by --bootstrap-peers only (no multicast): each has
     its own EXO_HOME, API port and --listen-port, and bootstraps from every node started
-    before it."""
+    before it. `offline=False` lets them download (from HF_ENDPOINT in env_extra)."""
     namespace = namespace or f"test-{uuid.uuid4().hex[:8]}"
     ports: set[int] = set()
 
@@ -437,6 +448,7 @@ def loopback_cluster(
             env_extra,
             host="127.0.0.1",
             netns=None,
+            offline=offline,
             listen_port=listen_port,
             discovery_port=discovery_port,
             namespace=namespace,

@@ -117,8 +117,10 @@ def _plan_instance(
     download = state.downloads.get(node_id, {}).get(instance.model_id)
     if isinstance(download, DownloadFailed):
         return DeleteFailedInstance(instance.instance_id, f"model unavailable: {download.error_message}")
-    if not isinstance(download, DownloadCompleted):
-        # No record yet, or one left by an earlier run of this node: look (again).
+    shard = instance.shard_assignments.runner_to_shard[runner_id]
+    if not isinstance(download, DownloadCompleted) or not download.covers(shard.start_layer, shard.end_layer):
+        # No record yet, one left by an earlier run of this node, or files for other
+        # layers than this shard's: look (again).
         return None if instance.model_id in downloading else FindModel(instance.instance_id)
 
     if runner is None:

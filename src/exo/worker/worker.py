@@ -11,7 +11,7 @@ import httpx
 import psutil
 from loguru import logger
 
-from exo.catalog.model_dirs import find_local_model_dir, models_dirs
+from exo.catalog.model_dirs import find_local_model_dir, is_complete_model_dir, models_dirs
 from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
 from exo.shared.types.commands import DeleteInstance
@@ -31,9 +31,12 @@ from exo.shared.types.events import (
     TopologyEdgeDeleted,
     TopologyEdgeUpdated,
 )
+from exo.shared.types.instances import Instance
 from exo.shared.types.nodes import MemoryInfo, NodeInfo
+from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.text_generation import ChunkGenerated
 from exo.worker.download import DownloadError, download_model
+from exo.worker.download.verify import PARTIAL_SUFFIX
 from exo.worker.link_probes import PROBE_TIMEOUT_SECONDS, local_interfaces, probe_peer, worth_reporting
 from exo.worker.planner import (
     CancelTask,
@@ -179,9 +182,10 @@ class Worker:
         state = self.replica.state
         match action:
             case FindModel(instance_id=instance_id):
-                model_id = state.instances[instance_id].model_id
+                instance = state.instances[instance_id]
+                model_id = instance.model_id
                 previous = state.downloads.get(self.node_id, {}).get(model_id)
-                self._find_model(model_id)
+                self._find_model(model_id, self._layers_needed(instance))
                 # Wait for our report to come back, so the planner sees it.
                 await self.replica.wait_for(
                     lambda s: s.downloads.get(self.node_id, {}).get(model_id) is not previous, timeout=10
@@ -220,21 +224,28 @@ class Worker:
             case _:
                 assert_never(action)
 
-    def _find_model(self, model_id: ModelId) -> None:
-        """Use a local copy, or download one in the background, reporting progress."""
+    def _layers_needed(self, instance: Instance) -> tuple[int, int] | None:
+        """The layer range this node's pipeline rank runs; None when it needs every layer."""
+        shard = instance.shard_assignments.runner_to_shard[instance.shard_assignments.node_to_runner[self.node_id]]
+        if isinstance(shard, PipelineShardMetadata) and (shard.start_layer, shard.end_layer) != (0, shard.n_layers):
+            return shard.start_layer, shard.end_layer
+        return None
+
+    def _find_model(self, model_id: ModelId, layers: tuple[int, int] | None) -> None:
+        """Use a local copy, or download one (or the files of `layers`) in the background,
+        reporting progress."""
         model_dir = find_local_model_dir(model_id, self.exo_home)
         if model_dir is not None:
-            size = sum(f.stat().st_size for f in model_dir.iterdir() if f.is_file())
-            self._report_download(model_id, DownloadCompleted(total_bytes=size, path=str(model_dir)))
+            self._report_download(model_id, _completed(model_dir, None))
         elif self.offline:
             message = f"{model_id} is not in any models directory on node {self.node_id}, and the node is offline"
             self._report_download(model_id, DownloadFailed(error_message=message))
         else:
             self._report_download(model_id, DownloadPending())
-            task = asyncio.create_task(self._download(model_id), name=f"download {model_id}")
+            task = asyncio.create_task(self._download(model_id, layers), name=f"download {model_id}")
             self._downloads[model_id] = task
 
-    async def _download(self, model_id: ModelId) -> None:
+    async def _download(self, model_id: ModelId, layers: tuple[int, int] | None) -> None:
         last_report = 0.0
 
         def on_progress(downloaded: int, total: int, bytes_per_second: float) -> None:
@@ -248,14 +259,13 @@ class Worker:
                 self._report_download(model_id, progress)
 
         try:
-            path = await download_model(model_id, models_dirs(self.exo_home)[0], on_progress)
+            path = await download_model(model_id, models_dirs(self.exo_home)[0], on_progress, layers=layers)
         except DownloadError as error:
             self._report_download(model_id, DownloadFailed(error_message=str(error)))
             return
         finally:
             self._downloads.pop(model_id, None)
-        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-        self._report_download(model_id, DownloadCompleted(total_bytes=size, path=str(path)))
+        self._report_download(model_id, _completed(path, None if is_complete_model_dir(path) else layers))
 
     def _report_download(self, model_id: ModelId, progress: DownloadProgress) -> None:
         self.emit(NodeDownloadProgress(node_id=self.node_id, model_id=model_id, progress=progress))
@@ -266,6 +276,17 @@ class Worker:
         for supervisor in list(self.supervisors.values()):
             await supervisor.shutdown()
         self.supervisors.clear()
+
+
+def _completed(model_dir: Path, layers: tuple[int, int] | None) -> DownloadCompleted:
+    """The record of a model dir (or a download dir holding the files of `layers`)."""
+    files = sorted(f for f in model_dir.iterdir() if f.is_file() and not f.name.endswith(PARTIAL_SUFFIX))
+    return DownloadCompleted(
+        total_bytes=sum(f.stat().st_size for f in files),
+        path=str(model_dir),
+        files=[f.name for f in files],
+        layers=layers,
+    )
 
 
 def gather_node_info(node_id: NodeId, exo_home: Path, api_port: int) -> NodeInfo:

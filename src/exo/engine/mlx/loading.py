@@ -1,5 +1,6 @@
 """Loading a model shard from an HF-layout directory with mlx-lm's model classes."""
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,8 @@ import exo.engine.mlx.models  # noqa: F401  (registers exo's own model modules, 
 from exo.engine.base import LayerProgress
 from exo.engine.mlx.parallel import shard_model
 from exo.shared.models.families import family_facts
-from exo.shared.types.shards import ShardMetadata
+from exo.shared.models.weight_files import INDEX_FILE, files_for_layers
+from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
 
 
 def model_layers(model: nn.Module) -> list[nn.Module]:
@@ -32,10 +34,30 @@ def add_family_eos_ids(tokenizer: TokenizerWrapper, model_type: str) -> None:
         tokenizer.eos_token_ids = set(tokenizer.eos_token_ids) | set(extra)
 
 
+def holds_only_some_shards(model_dir: Path, shard: ShardMetadata) -> bool:
+    """Whether the dir holds only some of the model's weight files (a node downloads only
+    those its pipeline rank needs); raises if it lacks one this shard needs."""
+    index = model_dir / INDEX_FILE
+    if not index.is_file():
+        return False
+    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    if all((model_dir / name).is_file() for name in set(weight_map.values())):
+        return False
+    layers = (shard.start_layer, shard.end_layer) if isinstance(shard, PipelineShardMetadata) else None
+    missing = sorted(name for name in files_for_layers(weight_map, layers) if not (model_dir / name).is_file())
+    if missing:
+        raise FileNotFoundError(
+            f"{model_dir} lacks {', '.join(missing)}, needed for layers {shard.start_layer}-{shard.end_layer}"
+        )
+    return True
+
+
 def load_shard(
     model_dir: Path, shard: ShardMetadata, group: mx.distributed.Group | None, on_layer_loaded: LayerProgress
 ) -> tuple[nn.Module, TokenizerWrapper]:
-    model, config = load_model(model_dir, lazy=True)
+    # With only this rank's shards on disk, the other layers' weights stay unloaded: their
+    # layers are dropped by shard_model below before anything is evaluated.
+    model, config = load_model(model_dir, lazy=True, strict=not holds_only_some_shards(model_dir, shard))
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     add_family_eos_ids(tokenizer, config["model_type"])
     # Shard while the weights are still lazy, so only this rank's part is ever read.

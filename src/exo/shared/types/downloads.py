@@ -22,6 +22,13 @@ class DownloadCompleted(FrozenModel):
     kind: Literal["DownloadCompleted"] = "DownloadCompleted"
     total_bytes: int
     path: str
+    # The model files the node holds there.
+    files: list[str] = []
+    # Layers [start, end) those files serve; None: the whole model.
+    layers: tuple[int, int] | None = None
+
+    def covers(self, start_layer: int, end_layer: int) -> bool:
+        return self.layers is None or self.layers[0] <= start_layer and end_layer <= self.layers[1]
 
 
 class DownloadFailed(FrozenModel):

@@ -1,6 +1,5 @@
 """Model downloads from a Hugging Face hub: hub.py talks HTTP (retries, errors), verify.py
-fetches one file and checks its hash, shards.py picks a rank's weight files, model.py
-downloads a model (or some of its layers) into a models dir."""
+fetches one file and checks its hash, model.py downloads a model (or some of its layers) into a models dir."""
 
 from exo.worker.download.hub import (
     DownloadError,

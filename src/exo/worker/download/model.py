@@ -3,7 +3,7 @@
 `download_model` lists the repo's files (sizes and hashes) and keeps the ones needed to
 run the model (config, safetensors weights, tokenizer, chat template and generation
 config; no `*.py`, no pickles, nothing in subfolders). Given a layer range it keeps only
-the weight files those layers need (shards.py). Each file is fetched and verified by
+the weight files those layers need (shared/models/weight_files.py). Each file is fetched and verified by
 verify.py, the HTTP and its retries are hub.py's.
 
 Files land in `<target_dir>/.downloads/<org>--<name>.partial/`, which no models-dir scan
@@ -36,9 +36,9 @@ from loguru import logger
 from exo.catalog.cards import card_from_config
 from exo.catalog.model_dirs import is_complete_model_dir, model_dir_name
 from exo.shared.models.model_cards import ModelCard
+from exo.shared.models.weight_files import INDEX_FILE, files_for_layers
 from exo.worker.download.hub import Call, DownloadError, InvalidModelId, RepoFile, client, get_file_bytes, hub_endpoint
 from exo.worker.download.hub import list_repo as hub_list_repo
-from exo.worker.download.shards import INDEX_FILE, files_for_layers
 from exo.worker.download.verify import PARTIAL_SUFFIX, fetch_verified
 
 POLL_SECONDS = 0.5

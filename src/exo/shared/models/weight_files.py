@@ -1,4 +1,5 @@
-"""Which weight files a pipeline rank needs, from the model's safetensors index."""
+"""Which weight files a pipeline rank needs, from the model's safetensors index (the
+worker downloads them, the engine checks a dir holds them before loading)."""
 
 import re
 
