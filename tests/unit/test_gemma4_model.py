@@ -1,10 +1,10 @@
 """Gemma 4 text models in mlx-lm compute what transformers' reference computes.
 
-Tiny random Gemma 4 models are built and saved by transformers in float32, loaded the way
-the engine loads them (mlx-lm's `load_model`, so `sanitize` sees what `save_pretrained`
-wrote), and must give the reference's logits within 1e-3 over a 64-token prompt and 32
-greedy decode steps through mlx-lm's cache, with the prompt prefilled at once and in 3
-chunks. The sliding window (16) is shorter than the prompt, so sliding layers drop keys.
+Tiny random Gemma 4 models with sharp weights (N(0, 0.08)) are built and saved by
+transformers in float32, loaded the way the engine loads them (mlx-lm's `load_model`, so
+`sanitize` sees what `save_pretrained` wrote), and must give the reference's logits
+within 1e-3 over a 64-token prompt and 32 greedy decode steps through mlx-lm's cache,
+with the prompt prefilled at once and in 3 chunks. The sliding window (16) is shorter than the prompt, so sliding layers drop keys.
 
 - dense: `TINY_CONFIGS["gemma4"]` (multimodal wrapper, text only): per-layer inputs, a
   double-wide MLP and KV-shared last 2 layers (one sliding, one full).
@@ -77,6 +77,7 @@ def test_case_exercises_its_gemma4_features(case: Case, request: pytest.FixtureR
     text = case.text_model
     config = text.config
     assert config.sliding_window < PROMPT_LEN
+    assert CONFIGS[name].get("text_config", CONFIGS[name])["initializer_range"] >= 0.08  # sharp weights
     assert {"sliding_attention", "full_attention"} <= set(config.layer_types)
     assert config.enable_moe_block == name.startswith("moe")
     assert bool(config.hidden_size_per_layer_input) == (name == "dense")

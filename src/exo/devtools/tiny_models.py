@@ -67,13 +67,25 @@ def _is_float(array: mx.array) -> bool:
     return mx.issubdtype(array.dtype, mx.floating)
 
 
-def _random_weights(model, seed: int, perturb_constants: bool) -> dict[str, mx.array]:
-    """The model's own random init, halved so logits stay well spread but small.
+def _random_weights(model, seed: int, perturb_constants: bool, init_std: float | None = None) -> dict[str, mx.array]:
+    """Random weights: with `init_std` (the config's initializer_range), every matrix
+    drawn from N(0, init_std) as transformers initialises, and vectors (norms, biases)
+    left as the model sets them; without it, the model's own random init, halved.
 
     mlx initialises norms to ones and biases such as attention sinks or router
     correction biases to zeros; a wrong split of a constant goes unnoticed, so with
     `perturb_constants` every constant tensor gets a little noise of its own."""
-    params = tree_map(lambda p: p * 0.5 if isinstance(p, mx.array) and _is_float(p) else p, model.parameters())
+    if init_std is None:
+        params = tree_map(lambda p: p * 0.5 if isinstance(p, mx.array) and _is_float(p) else p, model.parameters())
+    else:
+        key = mx.random.key(seed)
+        flat = []
+        for name, p in tree_flatten(model.parameters()):
+            if isinstance(p, mx.array) and _is_float(p) and p.ndim >= 2:
+                key, sub = mx.random.split(key)
+                p = (init_std * mx.random.normal(p.shape, key=sub)).astype(p.dtype)
+            flat.append((name, p))
+        params = tree_unflatten(flat)
     if perturb_constants:
         key = mx.random.key(seed + 1)
         flat = []
@@ -123,7 +135,8 @@ def make_tiny_model(
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(copy.deepcopy(config)))
     model.set_dtype(dtype)
-    weights = _random_weights(model, seed, perturb_constants)
+    init_std = config.get("initializer_range") or config.get("text_config", {}).get("initializer_range")
+    weights = _random_weights(model, seed, perturb_constants, init_std)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
