@@ -213,6 +213,8 @@ def test_thinking_text_and_tool_use_chunks_become_blocks_in_order():
     events = [event for c in chunks for event in encoder.feed(c)]
     assert [(e["type"], e.get("index")) for e in events] == [
         ("message_start", None),
+        # The prefill progress: a ping, as Anthropic sends while it reads the prompt.
+        ("ping", None),
         ("content_block_start", 0),
         ("content_block_delta", 0),
         ("content_block_delta", 0),
@@ -227,10 +229,10 @@ def test_thinking_text_and_tool_use_chunks_become_blocks_in_order():
         ("message_stop", None),
     ]
     assert events[0]["message"]["usage"]["input_tokens"] == 7
-    assert events[2]["delta"] == {"type": "thinking_delta", "thinking": "Let me "}
-    assert events[9]["delta"] == {"type": "input_json_delta", "partial_json": '{"city": "Oslo"}'}
-    assert events[11]["delta"]["stop_reason"] == "tool_use"
-    assert events[11]["usage"] == {"input_tokens": 7, "output_tokens": 9}
+    assert events[3]["delta"] == {"type": "thinking_delta", "thinking": "Let me "}
+    assert events[10]["delta"] == {"type": "input_json_delta", "partial_json": '{"city": "Oslo"}'}
+    assert events[12]["delta"]["stop_reason"] == "tool_use"
+    assert events[12]["usage"] == {"input_tokens": 7, "output_tokens": 9}
     body = encoder.body()
     assert body["content"] == [
         {"type": "thinking", "thinking": "Let me think.", "signature": ""},

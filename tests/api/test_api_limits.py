@@ -66,9 +66,9 @@ def test_a_prompt_longer_than_the_context_is_a_400(node: ExoNode):
     )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["code"] == "context_length_exceeded" and "prompt too long" in error["message"]
+    assert error["code"] == "context_length_exceeded" and "prompt is too long" in error["message"]
     assert "4096" in error["message"]
     completion = node.post("/v1/completions", json={"model": TINY_MODEL_ID, "prompt": prompt, "max_tokens": 4})
-    assert completion.status_code == 400 and "prompt too long" in completion.json()["error"]["message"]
+    assert completion.status_code == 400 and "prompt is too long" in completion.json()["error"]["message"]
     ollama = node.post("/ollama/api/generate", json={"model": TINY_MODEL_ID, "prompt": prompt, "stream": False})
-    assert ollama.status_code == 400 and "prompt too long" in ollama.json()["error"]
+    assert ollama.status_code == 400 and "prompt is too long" in ollama.json()["error"]

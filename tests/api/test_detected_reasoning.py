@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from exo.devtools.scripted_models import make_scripted_model
-from tests.support.node import ExoNode, start_node, stop_node
+from tests.support.node import ExoNode, running_node
 
 MODEL = "scripted/r1-distill-llama"
 # The template's generation prompt ends in "<think>\n": the output starts inside the block.
@@ -29,15 +29,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ExoNode]:
     models_dir = tmp_path_factory.mktemp("models")
     model_dir = make_scripted_model(models_dir / MODEL.replace("/", "--"), "r1_distill_llama", SCRIPT)
     assert json.loads((model_dir / "config.json").read_text())["model_type"] == "llama"
-    exo_node = start_node(tmp_path_factory.mktemp("exo_home"), {"EXO_MODELS_DIRS": str(models_dir)})
-    try:
-        exo_node.place(MODEL)
-        yield exo_node
-    except BaseException:
-        print(f"--- exo node log ---\n{exo_node.logs()[-20000:]}")
-        raise
-    finally:
-        stop_node(exo_node)
+    with running_node(tmp_path_factory.mktemp("exo_home"), {"EXO_MODELS_DIRS": str(models_dir)}, models=[MODEL]) as exo:
+        yield exo
 
 
 def openai_client(node: ExoNode) -> openai.OpenAI:

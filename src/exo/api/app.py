@@ -15,6 +15,7 @@ from exo.api.errors import (
     validation_error_handler,
 )
 from exo.api.limits import RequestSizeLimit, max_request_bytes
+from exo.api.middleware import JsonBodies, RequestLog
 from exo.api.placing import AutoPlacer
 from exo.api.port import ClusterPort
 from exo.api.routers import cancel, claude, cluster, completions, ollama, openai_chat, responses
@@ -25,8 +26,11 @@ def create_app(port: ClusterPort) -> FastAPI:
     app = FastAPI(title="exo")
     app.state.cluster = port
     app.state.auto_placer = AutoPlacer()
+    # The last one added runs first: the log sees every answer, the size limit's 413 too.
+    app.add_middleware(JsonBodies)
     app.add_middleware(RequestSizeLimit, limit=max_request_bytes())
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(RequestLog)
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
@@ -40,7 +44,8 @@ def create_app(port: ClusterPort) -> FastAPI:
     app.include_router(cancel.router)
     app.mount("/dashboard", StaticFiles(packages=[("exo", "resources/dashboard")], html=True), name="dashboard")
 
-    @app.get("/", include_in_schema=False)
+    # HEAD too: Claude Code probes the root on every run.
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     def dashboard() -> RedirectResponse:
         return RedirectResponse("/dashboard/")
 

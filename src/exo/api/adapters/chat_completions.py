@@ -6,7 +6,15 @@ from typing import Annotated, Any, Literal
 from llguidance import LLMatcher
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from exo.api.adapters.wire import OPENAI_DONE, Encoder, Event, sse_data
+from exo.api.adapters.wire import (
+    OPENAI_DONE,
+    Encoder,
+    Event,
+    keep_alive_comment,
+    prefill_only,
+    sse_comment,
+    sse_data,
+)
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,
@@ -205,21 +213,15 @@ class ChatCompletionEncoder(Encoder):
         }
 
     def wire(self, event: Event) -> str:
-        # A comment: SDKs ignore it, and it keeps proxies from timing out a long prefill.
-        return f": {event['comment']}\n\n" if "comment" in event else sse_data(event)
+        return sse_comment(event) or sse_data(event)
 
     def feed(self, chunk: ChunkGenerated) -> list[Event]:
         self.chunks.append(chunk)
         if chunk.finish_reason == "error":
             message = chunk.error_message or "generation failed"
             return [{"error": {"message": message, "type": "server_error", "param": None, "code": "generation_failed"}}]
-        progress = chunk.prefill
-        if (
-            progress is not None
-            and chunk.finish_reason is None
-            and not (chunk.text or chunk.reasoning or chunk.tool_calls)
-        ):
-            return [{"comment": f"prefill {progress.processed_tokens}/{progress.total_tokens}"}]
+        if prefill_only(chunk):
+            return [keep_alive_comment(chunk)]
         events = []
         delta: dict[str, Any] = {}
         if not self._sent_role:

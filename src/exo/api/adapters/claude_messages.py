@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from exo.api.adapters.wire import Encoder, Event, sse_typed
+from exo.api.adapters.wire import Encoder, Event, prefill_only, sse_typed
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, FinishReason, TextGenerationTaskParams
 
@@ -258,6 +258,9 @@ class MessageEncoder(Encoder):
         if chunk.finish_reason == "error":
             self.error = chunk.error_message or "generation failed"
             return events + [{"type": "error", "error": {"type": "api_error", "message": self.error}}]
+        if prefill_only(chunk):
+            # As Anthropic's API does while it reads a long prompt.
+            return events + [{"type": "ping"}]
         if chunk.reasoning:
             events += self._append("thinking", chunk.reasoning)
         if chunk.text:

@@ -6,7 +6,15 @@ from typing import Any, TypeGuard
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from exo.api.adapters.chat_completions import LogitBias, usage_body
-from exo.api.adapters.wire import OPENAI_DONE, Encoder, Event, sse_data
+from exo.api.adapters.wire import (
+    OPENAI_DONE,
+    Encoder,
+    Event,
+    keep_alive_comment,
+    prefill_only,
+    sse_comment,
+    sse_data,
+)
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,
@@ -133,6 +141,8 @@ class CompletionEncoder(Encoder):
             return [
                 {"error": {"message": self.error, "type": "server_error", "param": None, "code": "generation_failed"}}
             ]
+        if prefill_only(chunk):
+            return [keep_alive_comment(chunk)]
         text, self._pending = self._pending + chunk.text, ""
         self.text += text
         self.finish_reason = finish_reason(chunk.finish_reason)
@@ -149,7 +159,7 @@ class CompletionEncoder(Encoder):
         return events
 
     def wire(self, event: Event) -> str:
-        return sse_data(event)
+        return sse_comment(event) or sse_data(event)
 
     def body(self) -> Event:
         logprobs = legacy_logprobs(self._logprobs) if self._logprobs else None

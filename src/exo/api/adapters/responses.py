@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from exo.api.adapters.wire import Encoder, Event, sse_typed
+from exo.api.adapters.wire import Encoder, Event, keep_alive_comment, prefill_only, sse_comment, sse_typed
 from exo.shared.types.common import ModelId, new_id
 from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, TextGenerationTaskParams
 
@@ -152,7 +152,7 @@ class ResponseEncoder(Encoder):
         self._sequence = 0
 
     def wire(self, event: Event) -> str:
-        return sse_typed(event)
+        return sse_comment(event) or sse_typed(event)
 
     def body(self) -> Event:
         return {
@@ -232,6 +232,8 @@ class ResponseEncoder(Encoder):
             self.error = chunk.error_message or "generation failed"
             self.status = "failed"
             return self._close() + [self._event("response.failed", response=self.body())]
+        if prefill_only(chunk):
+            return [keep_alive_comment(chunk)]
         events: list[dict[str, Any]] = []
         if chunk.reasoning:
             events += self._append("reasoning", chunk.reasoning)

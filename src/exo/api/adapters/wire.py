@@ -34,6 +34,26 @@ class Encoder(Protocol):
         ...
 
 
+def prefill_only(chunk: ChunkGenerated) -> bool:
+    """A chunk that only reports prefill progress: streams answer it with a keep-alive
+    (Claude's `ping`, an SSE comment elsewhere), so a long prefill is not silence."""
+    return (
+        chunk.prefill is not None
+        and chunk.finish_reason is None
+        and not (chunk.text or chunk.reasoning or chunk.tool_calls)
+    )
+
+
+def keep_alive_comment(chunk: ChunkGenerated) -> Event:
+    assert chunk.prefill is not None
+    return {"comment": f"prefill {chunk.prefill.processed_tokens}/{chunk.prefill.total_tokens}"}
+
+
+def sse_comment(event: Event) -> str | None:
+    """An SSE comment for a keep-alive event: SDKs ignore it, proxies see traffic."""
+    return f": {event['comment']}\n\n" if "comment" in event else None
+
+
 def sse_data(event: Event) -> str:
     """OpenAI's SSE: data lines only."""
     return f"data: {json.dumps(event)}\n\n"

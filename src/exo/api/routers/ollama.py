@@ -19,6 +19,7 @@ from exo.api.adapters.ollama import (
     show_body,
 )
 from exo.api.generation import respond
+from exo.api.listing import servable_cards
 from exo.api.placing import AutoPlacerDep, card_or_404
 from exo.api.port import ClusterDep, ClusterPort
 
@@ -54,8 +55,8 @@ async def generate(request: Request, cluster: ClusterDep, placer: AutoPlacerDep,
 
 @router.get("/tags")
 def tags(cluster: ClusterDep) -> dict[str, Any]:
-    cards = cluster.cards()
-    return {"models": [model_entry(card) for card in sorted(cards.values(), key=lambda c: c.model_id)]}
+    """What this cluster can serve (see api/listing.py), as /v1/models lists it."""
+    return {"models": [model_entry(card) for card in servable_cards(cluster)]}
 
 
 class ShowRequest(BaseModel):

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from exo.api.adapters.chat_completions import ChatCompletionEncoder, ChatCompletionRequest, to_task_params
 from exo.api.errors import ApiError
 from exo.api.generation import respond
+from exo.api.listing import servable_cards
 from exo.api.placing import AutoPlacerDep
 from exo.api.port import ClusterDep
 
@@ -16,6 +17,7 @@ router = APIRouter()
 
 @router.get("/v1/models")
 def list_models(cluster: ClusterDep) -> dict[str, Any]:
+    """What this cluster can serve (see api/listing.py); /models has the whole catalog."""
     return {
         "object": "list",
         "data": [
@@ -32,7 +34,7 @@ def list_models(cluster: ClusterDep) -> dict[str, Any]:
                 "reasoning_dialect": card.reasoning_dialect.value,
                 "storage_size_bytes": card.storage_size.in_bytes,
             }
-            for card in sorted(cluster.cards().values(), key=lambda c: c.model_id)
+            for card in servable_cards(cluster)
         ],
     }
 
