@@ -7,8 +7,10 @@ transformers in float32, loaded through mlx-lm with our module, and must give th
 reference's logits within 1e-3: over a 64-token prompt and 32 greedy decode steps through
 our cache, also prefilled in 2 or 3 chunks; and over an 80-token sequence fed at once, in
 chunks whose boundary falls where the indexer starts dropping entries, and one token at
-a time through the cache across that point. Split over 2 processes (MLX ring on
-127.0.0.1), tensor and pipeline, it must give the single process's logits within 1e-4.
+a time through the cache across that point; served by a real node, /v1/completions
+logprobs across that point match too. Split over 2 processes (MLX ring on 127.0.0.1),
+tensor and pipeline, over a 48-token prompt (past that point) and 8 decode steps, it
+must give the single process's logits within 1e-4.
 
 Which reference is right once the indexer drops entries. DeepSeek's own inference code
 (inference/model.py of the model repository: `Indexer.forward`, `get_compress_topk_idxs`,
@@ -389,3 +391,54 @@ def test_two_processes_match_one(mlx_tiny: Path, tmp_path: Path, sharding: str) 
     print(f"{sharding} x2: max |logit diff| per rank {[f'{d:.2e}' for d in diffs]}")
     assert max(diffs) <= PARALLEL_TOLERANCE
     assert all(rank["tokens"].tolist() == single["tokens"].tolist() for rank in ranks)
+
+
+SERVED_MODEL_ID = "acme/deepseek-v4-tiny"
+SERVED_STEPS = 8
+
+
+def test_served_logprobs_past_the_indexer_top_k_match_transformers(
+    reference: Reference, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A real node serving the transformers checkpoint (float32), /v1/completions with
+    token ids: each greedy token's logprob, from a 30-token prompt decoding across
+    FIRST_DROP, equals transformers' full forward over the same tokens."""
+    import shutil
+
+    import httpx
+    import torch
+    import transformers
+
+    from tests.support.node import running_node
+
+    models_dir = tmp_path_factory.mktemp("served-models")
+    shutil.copytree(reference.path, models_dir / SERVED_MODEL_ID.replace("/", "--"))
+    prompt = reference.sequence[: FIRST_DROP - 5]
+    with running_node(tmp_path_factory.mktemp("exo_home"), {"EXO_MODELS_DIRS": str(models_dir)}) as node:
+        node.place(SERVED_MODEL_ID)
+        response = httpx.post(
+            f"{node.url}/v1/completions",
+            json={
+                "model": SERVED_MODEL_ID,
+                "prompt": prompt,
+                "max_tokens": SERVED_STEPS,
+                "temperature": 0,
+                "logprobs": 1,
+            },
+            timeout=120,
+        )
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    served = choice["logprobs"]["token_logprobs"]
+    assert len(served) == SERVED_STEPS
+    model = transformers.AutoModelForCausalLM.from_pretrained(reference.path, dtype=torch.float32).eval()
+    tokens = list(prompt)
+    expected = []
+    with torch.no_grad():
+        for _ in range(SERVED_STEPS):
+            logprobs = torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1], dim=-1)
+            tokens.append(int(logprobs.argmax()))
+            expected.append(float(logprobs[tokens[-1]]))
+    diffs = np.abs(np.array(served) - np.array(expected))
+    print(f"served logprobs, max |diff| {diffs.max():.2e}")
+    assert float(diffs.max()) <= TOLERANCE
