@@ -1,7 +1,9 @@
 """Cards and placement as the API needs them: a card or a 404, where a model would go or
 a 400 that says why not, and placing a model for a request when auto-placement is on."""
 
+import asyncio
 import time
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -9,7 +11,7 @@ from loguru import logger
 
 from exo.api.errors import ApiError
 from exo.api.port import ClusterPort
-from exo.master.placement import PlacementError, place_instance
+from exo.master.placement import LINKS_BEING_MEASURED, PlacementError, place_instance
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.queries import instances_of, least_loaded_instance
 from exo.shared.types.commands import CreateInstance
@@ -19,6 +21,10 @@ from exo.shared.types.state import State
 
 # A placed instance takes a moment to reach State; after that, a missing one is gone.
 PLACEMENT_VISIBLE_SECONDS = 10.0
+# How long a placement that cannot work yet waits for the cluster to settle: this node's
+# own worker to register (it answers HTTP before it is in State), links to a new node to
+# be measured.
+PLACEMENT_SETTLE_SECONDS = 6.0
 
 
 def card_or_404(cluster: ClusterPort, model_id: str) -> ModelCard:
@@ -51,6 +57,36 @@ def place_model(
     command = CreateInstance(instance=planned_instance(cluster, model_id, sharding, min_nodes, context_length))
     cluster.send_command(command)
     return command
+
+
+def _changed_from(state: State) -> Callable[[State], bool]:
+    return lambda current: current is not state
+
+
+def _settling(cluster: ClusterPort, state: State, error: ApiError) -> bool:
+    return cluster.node_id not in state.nodes or LINKS_BEING_MEASURED in error.message
+
+
+async def place_model_when_settled(
+    cluster: ClusterPort, model_id: str, sharding: Sharding, min_nodes: int, context_length: int | None
+) -> CreateInstance:
+    """place_model, but a placement that fails only because the cluster is still settling
+    (this node not yet in State, links to a new node not yet measured) is tried again as
+    State changes, for up to PLACEMENT_SETTLE_SECONDS; then its error stands."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PLACEMENT_SETTLE_SECONDS
+    while True:
+        state = cluster.state
+        try:
+            return place_model(cluster, model_id, sharding, min_nodes, context_length)
+        except ApiError as error:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not _settling(cluster, state, error):
+                raise
+        try:
+            await cluster.wait_for(_changed_from(state), remaining)
+        except TimeoutError:
+            pass
 
 
 def auto_place_enabled(flag: bool | None, state: State) -> bool:

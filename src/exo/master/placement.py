@@ -53,6 +53,14 @@ MAX_REASONS_IN_ERROR = 8
 Links = dict[tuple[NodeId, NodeId], Connection]
 
 
+# What a missing link (or one way only) most often means: a node that just joined, whose
+# links the nodes probe within a few seconds. The API waits that long before it answers with this.
+LINKS_BEING_MEASURED = (
+    "the links to a node that just joined are still being measured (a few seconds): retry in 5 s; "
+    "if it persists, the network keeps those nodes from reaching each other both ways"
+)
+
+
 class PlacementError(ValueError):
     """No node set can hold the instance; the message says why."""
 
@@ -204,7 +212,7 @@ def _no_ring_reason(links: Links, group: list[NodeId]) -> str:
             gaps.append(f"only {b} -> {a}")
         elif not there:
             gaps.append(f"no link between {a} and {b}")
-    return f"no cycle through {', '.join(group)} with links both ways ({'; '.join(gaps)})"
+    return f"no cycle through {', '.join(group)} with links both ways ({'; '.join(gaps)}); {LINKS_BEING_MEASURED}"
 
 
 def _link_key(links: Links, ring: list[NodeId]) -> tuple[float, float]:

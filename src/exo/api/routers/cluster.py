@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from exo.api.errors import ApiError
 from exo.api.instance_watch import watch_instances
-from exo.api.placing import card_or_404, place_model, planned_instance
+from exo.api.placing import card_or_404, place_model_when_settled, planned_instance
 from exo.api.port import ClusterDep, ClusterPort
 from exo.master.placement import PlacementPreview, instance_previews, instance_problem
 from exo.shared.models.model_cards import ModelCard
@@ -150,8 +150,8 @@ def link_probe(size: int = Query(0, ge=0, le=MAX_PROBE_BYTES)) -> Response:
 
 
 @router.post("/place_instance")
-def post_place_instance(cluster: ClusterDep, body: PlaceInstanceRequest) -> InstanceCommandResponse:
-    command = place_model(cluster, body.model_id, body.sharding, body.min_nodes, body.context_length)
+async def post_place_instance(cluster: ClusterDep, body: PlaceInstanceRequest) -> InstanceCommandResponse:
+    command = await place_model_when_settled(cluster, body.model_id, body.sharding, body.min_nodes, body.context_length)
     return InstanceCommandResponse(
         message=f"placing {body.model_id}", command_id=command.command_id, instance_id=command.instance.instance_id
     )
