@@ -2,9 +2,13 @@
 (tests/support/fake_hub.py) holds split into layer-range safetensors files; each node
 fetches only the files its layers need and the instance serves."""
 
+import contextlib
 import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import mlx.core as mx
 import openai
 
@@ -47,34 +51,69 @@ def make_layered_model(path: Path) -> dict[str, str]:
     return weight_map
 
 
+@contextlib.contextmanager
+def cluster_with_the_model(count: int, endpoint: str, tmp_path: Path) -> Iterator[list]:
+    """`count` nodes on loopback that download from the fake hub, linked both ways, with
+    MODEL_ID's card added."""
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    with loopback_cluster(count, tmp_path, env, offline=False) as nodes:
+        wait_converged(nodes, timeout=60)
+        links = count * (count - 1)
+        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == links, timeout=60, what="links")
+        assert nodes[0].post("/models/add", json={"model_id": MODEL_ID}).status_code == 200
+        yield nodes
+
+
+def answers(node) -> bool:
+    sdk = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    completion = sdk.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    return (completion.usage.completion_tokens if completion.usage else 0) > 0
+
+
+def peer_speed(peer) -> float:
+    """Bytes per second of a peer's biggest file through its peer hub, fetched 20 times."""
+    record = peer.state()["downloads"][peer.node_id()][MODEL_ID]
+    biggest = max(record["files"], key=lambda name: (Path(record["path"]) / name).stat().st_size)
+    url = f"{peer.url}/peer-hub/{MODEL_ID}/resolve/main/{biggest}"
+    started, received = time.monotonic(), 0
+    with httpx.Client() as client:
+        for _ in range(20):
+            received += len(client.get(url).raise_for_status().content)
+    return received / (time.monotonic() - started)
+
+
+def place_ready(nodes, min_nodes: int) -> str:
+    """Places a pipeline of MODEL_ID over min_nodes nodes; once every runner is ready and
+    every download record of it is complete, returns its id."""
+    response = nodes[0].post(
+        "/place_instance", json={"model_id": MODEL_ID, "sharding": "Pipeline", "min_nodes": min_nodes}
+    )
+    assert response.status_code == 200, response.text
+    instance_id = response.json()["instance_id"]
+
+    def ready(s: dict) -> bool:
+        instance = s["instances"].get(instance_id)
+        if not instance:
+            return False
+        assignments = instance["shardAssignments"]
+        return all(s["runners"].get(r, {}).get("kind") == "RunnerReady" for r in assignments["runnerToShard"]) and all(
+            s["downloads"].get(n, {}).get(MODEL_ID, {}).get("kind") == "DownloadCompleted"
+            for n in assignments["nodeToRunner"]
+        )
+
+    for node in nodes:
+        node.wait_for_state(ready, timeout=180, what=f"pipeline x{min_nodes} ready")
+    return instance_id
+
+
 def test_a_three_way_pipeline_downloads_each_node_only_its_layers(fake_hub: FakeHub, tmp_path: Path) -> None:
     endpoint, root = fake_hub
     weight_map = make_layered_model(root / "acme--layered")
     model_bytes = sum(f.stat().st_size for f in (root / "acme--layered").iterdir())
-    env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"}
-    with loopback_cluster(3, tmp_path, env, offline=False) as nodes:
-        wait_converged(nodes, timeout=60)
-        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 6, timeout=60, what="6 links")
-        assert nodes[0].post("/models/add", json={"model_id": MODEL_ID}).status_code == 200
-        response = nodes[0].post("/place_instance", json={"model_id": MODEL_ID, "sharding": "Pipeline", "min_nodes": 3})
-        assert response.status_code == 200, response.text
-        instance_id = response.json()["instance_id"]
-        state = nodes[-1].wait_for_state(
-            lambda s: (
-                s["instances"].get(instance_id)
-                and all(
-                    s["runners"].get(r, {}).get("kind") == "RunnerReady"
-                    for r in s["instances"][instance_id]["shardAssignments"]["runnerToShard"]
-                )
-            ),
-            timeout=180,
-            what="3-way pipeline ready",
-        )
-        sdk = openai.OpenAI(base_url=f"{nodes[-1].url}/v1", api_key="unused", max_retries=0, timeout=120)
-        completion = sdk.chat.completions.create(
-            model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=4
-        )
-        assert completion.usage.completion_tokens > 0
+    with cluster_with_the_model(3, endpoint, tmp_path) as nodes:
+        instance_id = place_ready(nodes, min_nodes=3)
+        state = nodes[-1].state()
+        assert answers(nodes[-1])
 
         assignments = state["instances"][instance_id]["shardAssignments"]
         for node in nodes:
@@ -91,3 +130,25 @@ def test_a_three_way_pipeline_downloads_each_node_only_its_layers(fake_hub: Fake
         ratio = fake_hub.body_bytes_sent / model_bytes
         print(f"3-way pipeline, per-shard downloads: hub bytes / model size = {ratio:.3f}")
         assert ratio < 1.3, ratio
+
+
+def test_with_the_hub_stopped_a_node_takes_the_files_it_lacks_from_its_peer(fake_hub: FakeHub, tmp_path: Path) -> None:
+    endpoint, root = fake_hub
+    make_layered_model(root / "acme--layered")
+    source = {f.name: f.read_bytes() for f in (root / "acme--layered").iterdir()}
+    with cluster_with_the_model(2, endpoint, tmp_path) as nodes:
+        instance_id = place_ready(nodes, min_nodes=2)
+        assert nodes[0].delete(f"/instance/{instance_id}").status_code == 200
+        nodes[0].wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=30, what="gone")
+        fake_hub.stop()  # from now on only the peer has the other node's layers
+
+        instance_id = place_ready(nodes, min_nodes=1)
+        state = nodes[0].state()
+        (node_id,) = state["instances"][instance_id]["shardAssignments"]["nodeToRunner"]
+        node = next(n for n in nodes if n.node_id() == node_id)
+        model_dir = node.home / "models" / "acme--layered"
+        assert {f.name: f.read_bytes() for f in model_dir.iterdir()} == source
+        assert f"of {MODEL_ID} from peer http://127.0.0.1:" in node.logs()
+        peer = next(n for n in nodes if n is not node)
+        print(f"peer transfer on loopback: {peer_speed(peer) / 1e6:.0f} MB/s")
+        assert answers(node)

@@ -170,3 +170,22 @@ def test_a_gated_model_says_to_set_hf_token(fake_hub: FakeHub, tmp_path: Path, m
     monkeypatch.setenv("HF_TOKEN", "hf_not_enough")
     with pytest.raises(ModelNeedsToken, match="the HF_TOKEN set on this node may not read it"):
         fetch_card("acme/gated", endpoint=endpoint)
+
+
+def test_files_come_from_a_peer_that_holds_them_checked_like_the_hubs(fake_hub: FakeHub, tmp_path: Path) -> None:
+    """A second fake hub over the same repo stands in for a peer's /peer-hub."""
+    from tests.support.fake_hub import running_fake_hub
+
+    endpoint, root = fake_hub
+    make_sharded_model(root / "acme--sharded", big_shard_bytes=4 * MB)
+    with running_fake_hub(root) as peer:
+        peers = {peer.endpoint: frozenset({BIG_SHARD})}
+        path = run(download_model("acme/sharded", tmp_path / "a", Recorder(), endpoint=endpoint, peers=peers))
+        assert (path / BIG_SHARD).read_bytes() == (root / "acme--sharded" / BIG_SHARD).read_bytes()
+        assert resolved(peer, BIG_SHARD) == 1 and resolved(fake_hub, BIG_SHARD) == 0
+
+        # A peer's bytes that do not match the hub's hash are dropped; the hub serves the file.
+        peer.corrupt_files = {BIG_SHARD}
+        path = run(download_model("acme/sharded", tmp_path / "b", Recorder(), endpoint=endpoint, peers=peers))
+        assert (path / BIG_SHARD).read_bytes() == (root / "acme--sharded" / BIG_SHARD).read_bytes()
+        assert resolved(peer, BIG_SHARD) == 3 and resolved(fake_hub, BIG_SHARD) == 1

@@ -1,6 +1,7 @@
 """The worker: carries out the planner's decisions for this node's runners."""
 
 import asyncio
+import contextlib
 import platform
 import socket
 import time
@@ -36,6 +37,7 @@ from exo.shared.types.nodes import MemoryInfo, NodeInfo
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.text_generation import ChunkGenerated
 from exo.worker.download import DownloadError, download_model
+from exo.worker.download.hub import PEER_HUB_PREFIX
 from exo.worker.download.verify import PARTIAL_SUFFIX
 from exo.worker.link_probes import PROBE_TIMEOUT_SECONDS, local_interfaces, probe_peer, worth_reporting
 from exo.worker.planner import (
@@ -258,14 +260,43 @@ class Worker:
                 )
                 self._report_download(model_id, progress)
 
+        target = models_dirs(self.exo_home)[0]
         try:
-            path = await download_model(model_id, models_dirs(self.exo_home)[0], on_progress, layers=layers)
+            path = await download_model(
+                model_id, target, on_progress, layers=layers, peers=self._peers_holding(model_id)
+            )
+            outcome: DownloadProgress = _completed(path, None if is_complete_model_dir(path) else layers)
         except DownloadError as error:
-            self._report_download(model_id, DownloadFailed(error_message=str(error)))
-            return
-        finally:
+            outcome = DownloadFailed(error_message=str(error))
+        except BaseException:
             self._downloads.pop(model_id, None)
-        self._report_download(model_id, _completed(path, None if is_complete_model_dir(path) else layers))
+            raise
+        self._report_download(model_id, outcome)
+        # Still "downloading" until State shows the outcome, or the planner would see the
+        # Pending record and look again.
+        with contextlib.suppress(TimeoutError):
+            await self.replica.wait_for(
+                lambda s: s.downloads.get(self.node_id, {}).get(model_id) == outcome, timeout=10
+            )
+        self._downloads.pop(model_id, None)
+
+    def _peers_holding(self, model_id: ModelId) -> dict[str, frozenset[str]]:
+        """Peer hub endpoints of the nodes that hold files of the model, with those files."""
+        state = self.replica.state
+        peers = {}
+        for node_id, records in state.downloads.items():
+            record = records.get(model_id)
+            connection = state.topology.connection(self.node_id, node_id)
+            node = state.nodes.get(node_id)
+            if (
+                node_id == self.node_id
+                or not isinstance(record, DownloadCompleted)
+                or connection is None
+                or node is None
+            ):
+                continue
+            peers[f"http://{connection.sink_ip}:{node.api_port}{PEER_HUB_PREFIX}"] = frozenset(record.files)
+        return peers
 
     def _report_download(self, model_id: ModelId, progress: DownloadProgress) -> None:
         self.emit(NodeDownloadProgress(node_id=self.node_id, model_id=model_id, progress=progress))

@@ -20,6 +20,8 @@ from huggingface_hub.utils import build_hf_headers
 from loguru import logger
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
+# Where a node's API serves its model files to peers in the hub's shapes (api/peer_files.py).
+PEER_HUB_PREFIX = "/peer-hub"
 MAX_ATTEMPTS = 5
 FIRST_BACKOFF_SECONDS = 0.5
 MAX_WAIT_SECONDS = 20.0

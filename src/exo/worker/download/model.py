@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import TypeVar
@@ -37,7 +37,17 @@ from exo.catalog.cards import card_from_config
 from exo.catalog.model_dirs import is_complete_model_dir, model_dir_name
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.models.weight_files import INDEX_FILE, files_for_layers
-from exo.worker.download.hub import Call, DownloadError, InvalidModelId, RepoFile, client, get_file_bytes, hub_endpoint
+from exo.worker.download.hub import (
+    Call,
+    DownloadError,
+    HubBusy,
+    HubUnreachable,
+    InvalidModelId,
+    RepoFile,
+    client,
+    get_file_bytes,
+    hub_endpoint,
+)
 from exo.worker.download.hub import list_repo as hub_list_repo
 from exo.worker.download.verify import PARTIAL_SUFFIX, fetch_verified
 
@@ -259,10 +269,14 @@ async def download_model(
     on_progress: ProgressCallback,
     endpoint: str | None = None,
     layers: tuple[int, int] | None = None,
+    peers: Mapping[str, frozenset[str]] | None = None,
 ) -> Path:
     """Downloads `model_id` ("org/name") into `target_dir/org--name` and returns that dir;
     with `layers` [start, end), only the weight files those layers need, and returns the
-    partial dir holding them unless that makes the model whole.
+    partial dir holding them unless that makes the model whole. `peers`: endpoints of
+    other nodes' peer hubs (api/peer_files.py), each with the files it holds; a file is
+    taken from a peer holding it before the hub, and checked against the hub's hashes
+    (the peers' own listing when the hub does not answer).
 
     Calls on_progress(downloaded_bytes, total_bytes, bytes_per_second) at the start, every
     POLL_SECONDS while a file downloads, after each file and at the end (downloaded ==
@@ -289,7 +303,8 @@ async def download_model(
                 )
             _check_online(model_id)
             with client() as http:
-                return await _download(http, model_id, endpoint, partial_dir, final_dir, on_progress, layers, cancel)
+                sources = _Sources(http, model_id, endpoint, dict(peers or {}))
+                return await _download(sources, partial_dir, final_dir, on_progress, layers, cancel)
         except OSError as error:
             raise _os_error(error, model_id, target_dir, None) from error
         finally:
@@ -297,17 +312,63 @@ async def download_model(
             cancel.set()
 
 
+class _Sources:
+    """Where a model's files come from: peers that hold them, then the hub."""
+
+    def __init__(self, http: httpx.Client, model_id: str, endpoint: str, peers: dict[str, frozenset[str]]) -> None:
+        self.http, self.model_id, self.endpoint, self.peers = http, model_id, endpoint, peers
+
+    def list_repo(self, partial_dir: Path) -> tuple[str, list[RepoFile]]:
+        """The hub's listing; if the hub does not answer, what the peers hold, and the
+        verified files already in `partial_dir`."""
+        try:
+            return hub_list_repo(self.http, Call(self.endpoint, self.model_id))
+        except (HubUnreachable, HubBusy) as error:
+            merged: dict[str, RepoFile] = {}
+            if partial_dir.is_dir():
+                for path in partial_dir.iterdir():
+                    if path.is_file() and not path.name.endswith(PARTIAL_SUFFIX):
+                        merged[path.name] = RepoFile(path.name, path.stat().st_size)
+            answered = 0
+            for peer in self.peers:
+                with contextlib.suppress(DownloadError):
+                    merged |= {file.name: file for file in hub_list_repo(self.http, Call(peer, self.model_id))[1]}
+                    answered += 1
+            if not answered:
+                raise
+            logger.warning(f"{error}; listing {self.model_id} from {answered} peers instead")
+            return "main", list(merged.values())
+
+    def fetch(
+        self, revision: str, file: RepoFile, directory: Path, cancel: threading.Event, on_bytes: Callable[[int], None]
+    ) -> Path:
+        holders = [peer for peer, files in self.peers.items() if file.name in files]
+        for source in [*holders, self.endpoint]:
+            try:
+                path = fetch_verified(
+                    self.http, Call(source, self.model_id, file.name), revision, file, directory, cancel, on_bytes
+                )
+            except DownloadError as error:
+                if source == self.endpoint:
+                    raise
+                logger.warning(f"peer {source} could not give {file.name}: {error}; trying the next source")
+                continue
+            if source != self.endpoint:
+                logger.info(f"took {file.name} of {self.model_id} from peer {source}")
+            return path
+        raise AssertionError("unreachable")
+
+
 async def _download(
-    http: httpx.Client,
-    model_id: str,
-    endpoint: str,
+    sources: _Sources,
     partial_dir: Path,
     final_dir: Path,
     on_progress: ProgressCallback,
     layers: tuple[int, int] | None,
     cancel: threading.Event,
 ) -> Path:
-    revision, listed = await asyncio.to_thread(hub_list_repo, http, Call(endpoint, model_id))
+    model_id, endpoint = sources.model_id, sources.endpoint
+    revision, listed = await asyncio.to_thread(sources.list_repo, partial_dir)
     listed = [file for file in listed if wanted_file(file.name)]
     if not listed:
         raise DownloadError(f"model {model_id} on {endpoint} has no files exo can run")
@@ -315,8 +376,7 @@ async def _download(
     await asyncio.to_thread(_drop_leftovers, partial_dir, listed)
 
     def fetch(file: RepoFile, on_bytes: Callable[[int], None]) -> Awaitable[Path]:
-        call = Call(endpoint, model_id, file.name)
-        return asyncio.to_thread(fetch_verified, http, call, revision, file, partial_dir, cancel, on_bytes)
+        return asyncio.to_thread(sources.fetch, revision, file, partial_dir, cancel, on_bytes)
 
     weight_map = None
     index = next((file for file in listed if file.name == INDEX_FILE), None)

@@ -133,3 +133,21 @@ def fetch_verified(
             )
         logger.warning(f"{file.name} of {call.model_id} failed verification ({detail}); downloading it again")
     raise AssertionError("unreachable")
+
+
+_HASHES: dict[tuple[str, int, int], tuple[str, str]] = {}
+
+
+def file_hashes(path: Path) -> tuple[str, str]:
+    """(sha256, git blob id) of a file, as a hub lists them; cached by path, size and mtime
+    (a peer serving its files lists them on every request)."""
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _HASHES:
+        sha256, blob = hashlib.sha256(), hashlib.sha1(f"blob {stat.st_size}\0".encode())
+        with path.open("rb") as file:
+            while chunk := file.read(READ_CHUNK_BYTES):
+                sha256.update(chunk)
+                blob.update(chunk)
+        _HASHES[key] = (sha256.hexdigest(), blob.hexdigest())
+    return _HASHES[key]
