@@ -22,7 +22,8 @@ class StrategyOwner(StrEnum):
 
 @dataclass(frozen=True)
 class FamilyFacts:
-    # Where the model's reasoning starts and ends in its output.
+    # Where the model's reasoning starts and ends in its output, where the tokenizer's
+    # think tokens do not tell it (a model type without an entry gets the detected ones).
     think_markers: tuple[str, str] | None = None
     # The tool-call format when the chat template does not tell; harmony and dsml are
     # told by the model type alone, whatever the template says.
