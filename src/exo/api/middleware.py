@@ -13,8 +13,9 @@ _MODEL_FIELD = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){1,200})"')
 # How much of a request body is searched for the model, and of an error body kept.
 _SCAN_BYTES = 1 << 20
 _ERROR_BYTES = 8192
-# The dashboard polls these every second; their successes would drown everything else.
-_QUIET_PREFIXES = ("/state", "/dashboard", "/events", "/instance/previews")
+# The dashboard polls these every second and peers probe the links every few seconds;
+# their successes would drown everything else.
+_QUIET_PREFIXES = ("/state", "/dashboard", "/events", "/instance/previews", "/node_id", "/link_probe")
 
 
 def _error_message(body: bytes) -> str:
