@@ -45,7 +45,9 @@ DEFAULT_CONTEXT_LENGTH = 4096
 # Rings are searched by brute force over node orders; beyond this many nodes only the
 # ones with the most free memory are considered.
 MAX_PLACEMENT_NODES = 8
-RING_BASE_PORT = 52600
+# Below Linux's default ephemeral range (32768-60999): an outgoing connection of any
+# process on the node can otherwise hold a ring port when a rank comes to listen on it.
+RING_BASE_PORT = 31000
 RING_PORT_SPAN = 1000
 # How many rejection reasons a PlacementError quotes.
 MAX_REASONS_IN_ERROR = 8
