@@ -10,7 +10,8 @@ chunks whose boundary falls where the indexer starts dropping entries, and one t
 a time through the cache across that point; served by a real node, /v1/completions
 logprobs across that point match too. Split over 2 processes (MLX ring on 127.0.0.1),
 tensor and pipeline, over a 48-token prompt (past that point) and 8 decode steps, it
-must give the single process's logits within 1e-4.
+must give the single process's logits within 1e-4; so must a tensor split of the model
+quantized (4 and 8 bits, group 32: wq_b, wo_a and the experts quantized).
 
 Which reference is right once the indexer drops entries. DeepSeek's own inference code
 (inference/model.py of the model repository: `Indexer.forward`, `get_compress_topk_idxs`,
@@ -55,7 +56,7 @@ from mlx.utils import tree_flatten
 import exo.engine.mlx.models  # noqa: F401  (makes mlx_lm.models.deepseek_v4 ours)
 from exo.devtools.onboard import engine_run, load_engine_model, reference_run, write_reference_model
 from exo.devtools.tiny_configs import TINY_CONFIGS
-from exo.devtools.tiny_models import make_tiny
+from exo.devtools.tiny_models import make_tiny, make_tiny_model
 from exo.engine.mlx.models.deepseek_v4 import _FP4_VALUES, DeepseekV4Cache, Model, dequantize_fp4, dequantize_fp8
 
 PROMPT_LEN = 64
@@ -389,6 +390,44 @@ def test_two_processes_match_one(mlx_tiny: Path, tmp_path: Path, sharding: str) 
     ranks = _run(mlx_tiny, tmp_path, sharding, 2)
     diffs = [float(np.abs(rank["logits"] - single["logits"]).max()) for rank in ranks]
     print(f"{sharding} x2: max |logit diff| per rank {[f'{d:.2e}' for d in diffs]}")
+    assert max(diffs) <= PARALLEL_TOLERANCE
+    assert all(rank["tokens"].tolist() == single["tokens"].tolist() for rank in ranks)
+
+
+def _quantized_tiny(path: Path, bits: int) -> Path:
+    """The tiny DeepSeek V4 quantized as mlx-lm's convert does (every layer whose input
+    divides by the group size: wq_b, wo_a, experts, embedding and lm_head), saved in the
+    mlx-community layout. Experts 64 wide, so their group-32 rows still split in two."""
+    from mlx_lm.utils import load_model, quantize_model, save_config
+
+    config = {**TINY_CONFIGS["deepseek_v4"], "moe_intermediate_size": 64}
+    source = make_tiny_model(path / "float", "deepseek_v4", config)
+    model, config = load_model(source)
+    model, config = quantize_model(model, config, group_size=32, bits=bits)
+    out = path / f"q{bits}"
+    out.mkdir()
+    mx.save_safetensors(
+        str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
+    )
+    save_config(config, out / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_text((source / name).read_text())
+    return out
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_tensor_split_matches_one_process(tmp_path: Path, bits: int) -> None:
+    """Tensor parallelism over quantized wq_b (rows kept per output group of heads) and
+    wo_a (input columns split, weight, scales and biases alike): 2 processes give the
+    single process's logits for the same quantized weights."""
+    model_dir = _quantized_tiny(tmp_path, bits)
+    attn = load_engine_model(model_dir).layers[1].attn
+    assert isinstance(attn.wq_b, nn.QuantizedLinear) and isinstance(attn.wo_a, nn.QuantizedLinear)
+    assert attn.wq_b.bits == attn.wo_a.bits == bits
+    (single,) = _run(model_dir, tmp_path, "pipeline", 1)
+    ranks = _run(model_dir, tmp_path, "tensor", 2)
+    diffs = [float(np.abs(rank["logits"] - single["logits"]).max()) for rank in ranks]
+    print(f"{bits}-bit tensor x2: max |logit diff| per rank {[f'{d:.2e}' for d in diffs]}")
     assert max(diffs) <= PARALLEL_TOLERANCE
     assert all(rank["tokens"].tolist() == single["tokens"].tolist() for rank in ranks)
 

@@ -710,7 +710,8 @@ class Model(nn.Module):
                 name = name.replace(f".shared_experts.{short}.", f".shared_experts.{full}.")
             if name.endswith("tid2eid"):
                 value = value.astype(mx.int32)
-            renamed[name if name == "lm_head.weight" else f"model.{name}"] = value
+            # lm_head stays outside `model.`, with its quantization scales and biases.
+            renamed[name if name.startswith("lm_head.") else f"model.{name}"] = value
 
         for i in range(n_layers):
             prefix = f"model.layers.{i}.ffn"
