@@ -2,10 +2,17 @@
 state: usage reports the cached tokens, and the greedy answer equals a cold run's.
 
 Runs the real engine in this process (no node): DeepSeek V4, whose cache cannot be
-trimmed (resumed from a prefill snapshot), and Llama, whose cache is trimmed back."""
+trimmed (resumed from a prefill snapshot), Llama, whose cache is trimmed back, and
+Gemma 4 (dense with KV-shared layers, and MoE), whose sliding layers' rotating caches
+cannot be trimmed once the prompt is past their window (16 tokens; the prompt is ~130):
+there the warm answer's log-probabilities, top 20 per token, equal a cold run's
+within 1e-4, for an extended prompt and for the same prompt again."""
 
+import numpy as np
 import pytest
+from mlx_lm.models.cache import RotatingKVCache
 
+from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import make_tiny
 from exo.engine.mlx import engine as engine_module
 from exo.engine.mlx.engine import MlxEngine
@@ -15,37 +22,81 @@ from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskPara
 from tests.support.engine import load_engine
 
 PREFIX = "cluster node model token the cat runs over the quiet moon " * 12
+TOP = 20
+LOGPROB_TOLERANCE = 1e-4
 
 
-def _answer(engine: MlxEngine, question: str) -> tuple[list[int], int]:
+def _answer(engine: MlxEngine, question: str) -> tuple[list[int], np.ndarray, int]:
+    """The greedy tokens, each step's top-20 log-probabilities by token id, and how many
+    prompt tokens came from the cache."""
     params = TextGenerationTaskParams(
         model=ModelId("test/model"),
         messages=[ChatMessage(role="user", content=PREFIX + question)],
         max_tokens=12,
         temperature=0.0,
+        logprobs=True,
+        top_logprobs=TOP,
     )
     engine.submit("r", params)
-    tokens = []
+    tokens, rows = [], []
     while engine.has_work:
         for chunk in engine.step():
             tokens += chunk.token_ids
+            for logprob in chunk.logprobs or []:
+                rows.append(sorted((top.token_id, top.logprob) for top in logprob.top_logprobs))
             if chunk.finish_reason is not None:
                 assert chunk.usage is not None
-                return tokens, chunk.usage.cached_tokens
+                return tokens, np.array(rows), chunk.usage.cached_tokens
     raise AssertionError("no final chunk")
+
+
+def _cold(engine: MlxEngine, question: str) -> tuple[list[int], np.ndarray, int]:
+    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    return _answer(engine, question)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v4", "llama"])
 def test_shared_prefix_is_reused_and_answers_like_a_cold_run(arch, tmp_path, monkeypatch):
     monkeypatch.setattr(engine_module, "PREFILL_STEP", 16)
     engine = load_engine(make_tiny(tmp_path / arch, arch))
-    _, cached_first = _answer(engine, "what sleeps?")
-    warm, cached_second = _answer(engine, "what runs fast?")
+    _, _, cached_first = _answer(engine, "what sleeps?")
+    warm, _, cached_second = _answer(engine, "what runs fast?")
     assert cached_first == 0
     # At least all whole 16-token chunks of the shared prefix came from the cache.
     assert cached_second >= 100, cached_second
 
-    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
-    cold, cached_cold = _answer(engine, "what runs fast?")
+    cold, _, cached_cold = _cold(engine, "what runs fast?")
     assert cached_cold == 0
+    assert warm == cold
+
+
+@pytest.fixture(scope="module", params=["gemma4", "gemma4_moe"])
+def gemma4(request, tmp_path_factory) -> tuple[str, MlxEngine]:
+    return request.param, load_engine(make_tiny(tmp_path_factory.mktemp(request.param), request.param))
+
+
+@pytest.mark.parametrize("second", ["what runs fast?", "what sleeps?"], ids=["extended", "repeated"])
+def test_gemma4_prefix_is_reused_past_the_sliding_window(gemma4, second, monkeypatch):
+    monkeypatch.setattr(engine_module, "PREFILL_STEP", 16)
+    name, engine = gemma4
+    config = TINY_CONFIGS[name]
+    text_config = config.get("text_config", config)
+    assert isinstance(engine.prefix_cache, PrefixCache)
+    cache_kinds = {type(c) for c in engine.prefix_cache.fetch([])[0]}
+    assert RotatingKVCache in cache_kinds and len(cache_kinds) == 2  # sliding and full layers
+
+    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    _, _, cached_first = _answer(engine, "what sleeps?")
+    warm, warm_logprobs, cached_second = _answer(engine, second)
+    assert cached_first == 0
+    # Every whole 16-token chunk of the shared prefix, many windows past the first.
+    assert cached_second >= 100 > 4 * text_config["sliding_window"], cached_second
+
+    cold, cold_logprobs, cached_cold = _cold(engine, second)
+    assert cached_cold == 0
+    assert warm_logprobs.shape == cold_logprobs.shape == (12, TOP, 2)
+    assert np.array_equal(warm_logprobs[..., 0], cold_logprobs[..., 0])  # the same top tokens
+    diff = float(np.abs(warm_logprobs[..., 1] - cold_logprobs[..., 1]).max())
+    print(f"{name} {second!r}: {cached_second} cached, max |logprob diff| {diff:.2e}")
+    assert diff <= LOGPROB_TOLERANCE
     assert warm == cold
