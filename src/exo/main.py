@@ -29,7 +29,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-multicast", action="store_true", help="do not discover peers by multicast; use --bootstrap-peers only"
     )
     parser.add_argument("--discovery-interface", default="auto", help="network interface for multicast discovery")
-    parser.add_argument("--offline", action="store_true", help="never reach a model hub; use local models only")
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        default=os.environ.get("EXO_OFFLINE", "").lower() in ("1", "true", "yes", "on"),
+        help="never reach a model hub; use local models only (also EXO_OFFLINE=1)",
+    )
     parser.add_argument("--no-worker", action="store_true", help="serve the API and coordinate, but run no models")
     parser.add_argument("--force-master", action="store_true", help="always win master elections")
     parser.add_argument("--place-model", metavar="MODEL_ID", help="place this model once the node is up")

@@ -2,6 +2,8 @@
 
 It answers the calls huggingface_hub makes to list and download a model repo:
 
+- GET  /api/models?search=&limit=                       search: the repos whose id holds
+  `search` (any case), as the real hub lists them (id, author, downloads, likes, tags)
 - GET  /api/models/{org}/{name}[/revision/{revision}]   model info, with `siblings`
   carrying size, blobId and lfs (what `HfApi.model_info(files_metadata=True)` reads)
 - GET  /api/models/{org}/{name}/tree/{revision}[/{path}] tree listing (`list_repo_tree`)
@@ -113,6 +115,10 @@ class FakeHub:
             digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
         return digest.hexdigest()
 
+    @staticmethod
+    def last_modified(repo_dir: Path) -> str:
+        return datetime.fromtimestamp(repo_dir.stat().st_mtime, UTC).isoformat().replace("+00:00", "Z")
+
     def _file_entry(self, repo_dir: Path, name: str) -> dict:
         path = repo_dir / name
         size = path.stat().st_size
@@ -151,6 +157,30 @@ class FakeHub:
                 headers={"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"},
             )
 
+        @app.get("/api/models")
+        async def search(request: Request, search: str = "", limit: int = 1000) -> Response:
+            hub.requests.append((request.method, request.url.path))
+            found = []
+            for repo_dir in sorted(p for p in hub.root.iterdir() if p.is_dir() and "--" in p.name):
+                repo_id = repo_dir.name.replace("--", "/", 1)
+                if search.lower() in repo_id.lower():
+                    modified = hub.last_modified(repo_dir)
+                    org = repo_id.split("/")[0]
+                    found.append(
+                        {
+                            "_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24],
+                            "id": repo_id,
+                            "modelId": repo_id,
+                            "author": org,
+                            "downloads": len(hub.repo_files(repo_dir)),
+                            "likes": 0,
+                            "tags": ["safetensors"],
+                            "lastModified": modified,
+                            "private": False,
+                        }
+                    )
+            return JSONResponse(found[:limit])
+
         @app.get("/api/models/{org}/{name}")
         @app.get("/api/models/{org}/{name}/revision/{revision:path}")
         async def model_info(org: str, name: str, request: Request, revision: str = "main") -> Response:
@@ -160,7 +190,7 @@ class FakeHub:
             if repo_dir is None:
                 return repo_not_found()
             siblings = [hub._file_entry(repo_dir, file) for file in hub.repo_files(repo_dir)]
-            modified = datetime.fromtimestamp(repo_dir.stat().st_mtime, UTC).isoformat().replace("+00:00", "Z")
+            modified = hub.last_modified(repo_dir)
             return JSONResponse(
                 {
                     "_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24],

@@ -26,11 +26,13 @@ from exo.shared.types.downloads import (
 from exo.shared.types.events import (
     CustomModelCardAdded,
     CustomModelCardDeleted,
+    DownloadOrdered,
     Event,
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
     MasterElected,
+    NodeDownloadDeleted,
     NodeDownloadProgress,
     NodeGatheredInfo,
     NodeTimedOut,
@@ -331,6 +333,8 @@ def one_of_each_event(card: ModelCard) -> list[Event]:
             model_id=model_id,
             progress=DownloadOngoing(downloaded_bytes=10, total_bytes=100),
         ),
+        DownloadOrdered(node_id=NODE_A, model_id=model_id, order="start"),
+        NodeDownloadDeleted(node_id=NODE_A, model_id=model_id),
         TopologyEdgeUpdated(
             connection=Connection(source=NODE_A, sink=NODE_B, sink_ip="10.0.0.2", latency_ms=0.4, bandwidth_mbps=9400)
         ),

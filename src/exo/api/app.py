@@ -18,7 +18,7 @@ from exo.api.limits import RequestSizeLimit, max_request_bytes
 from exo.api.middleware import JsonBodies, RequestLog
 from exo.api.placing import AutoPlacer
 from exo.api.port import ClusterPort
-from exo.api.routers import cancel, claude, cluster, completions, ollama, openai_chat, responses
+from exo.api.routers import cancel, claude, cluster, completions, downloads, ollama, openai_chat, responses
 
 
 def create_app(port: ClusterPort) -> FastAPI:
@@ -36,6 +36,7 @@ def create_app(port: ClusterPort) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, unexpected_error_handler)
     app.include_router(cluster.router)
+    app.include_router(downloads.router)
     app.include_router(openai_chat.router)
     app.include_router(claude.router)
     app.include_router(responses.router)

@@ -1,10 +1,18 @@
 """Models dirs: where a node finds models on disk (`<dir>/<org>--<name>/`, Hugging Face
-layout), and whether a model dir is complete enough to run."""
+layout), whether a model dir is complete enough to run, and which writable dir a
+download goes to.
+
+EXO_MODELS_DIRS and EXO_MODELS_READ_ONLY_DIRS are colon-separated paths (`~` expands).
+Writable dirs are `$EXO_HOME/models` and EXO_MODELS_DIRS, minus any dir also listed as
+read-only; exo never creates, writes or deletes anything in a read-only dir."""
 
 import json
 import os
+import shutil
 from importlib.resources import files
 from pathlib import Path
+
+PARTIAL_DIR_NAME = ".downloads"
 
 
 def resource_dir(name: str) -> Path:
@@ -16,8 +24,9 @@ def _dirs_from_env(variable: str) -> list[Path]:
 
 
 def models_dirs(exo_home: Path) -> list[Path]:
-    """Writable models dirs: the node's own first, where downloads go."""
-    return [exo_home / "models", *_dirs_from_env("EXO_MODELS_DIRS")]
+    """Writable models dirs, the node's own first."""
+    read_only = {_resolved(d) for d in read_only_models_dirs()}
+    return [d for d in [exo_home / "models", *_dirs_from_env("EXO_MODELS_DIRS")] if _resolved(d) not in read_only]
 
 
 def read_only_models_dirs() -> list[Path]:
@@ -28,6 +37,47 @@ def read_only_models_dirs() -> list[Path]:
 def all_models_dirs(exo_home: Path) -> list[Path]:
     """Every models dir, in the order they are searched."""
     return [*models_dirs(exo_home), *read_only_models_dirs()]
+
+
+def _resolved(path: Path) -> Path:
+    return path.expanduser().resolve(strict=False)
+
+
+def is_read_only_path(path: Path) -> bool:
+    """The path is a read-only models dir or inside one."""
+    resolved = _resolved(path)
+    return any(resolved.is_relative_to(_resolved(d)) for d in read_only_models_dirs())
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the disk `path` is (or would be created) on; None if not writable."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK):
+        return None
+    return shutil.disk_usage(existing).free
+
+
+def partial_model_dir(models_dir: Path, model_id: str) -> Path:
+    """Where a download of the model collects its files until it is whole; no scan for
+    models looks there."""
+    return models_dir / PARTIAL_DIR_NAME / f"{model_dir_name(model_id)}.partial"
+
+
+def download_dir(exo_home: Path, model_id: str) -> Path:
+    """The writable models dir a download of the model goes to: one already holding part
+    of it (so it resumes there), else the one with the most free space (the first listed
+    on a tie)."""
+    candidates = models_dirs(exo_home)
+    for candidate in candidates:
+        if partial_model_dir(candidate, model_id).is_dir():
+            return candidate
+    free = {candidate: _free_bytes(candidate) for candidate in candidates}
+    writable = [candidate for candidate in candidates if free[candidate] is not None]
+    if not writable:
+        return candidates[0]  # the download reports why it cannot write there
+    return max(writable, key=lambda candidate: free[candidate] or 0)
 
 
 def model_dir_name(model_id: str) -> str:

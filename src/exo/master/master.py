@@ -9,14 +9,17 @@ from loguru import logger
 from exo.master.placement import PlacementError, instance_problem, place_instance
 from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
-from exo.shared.queries import has_task_for, least_loaded_instance
+from exo.shared.queries import download_running, has_task_for, instance_using_files, least_loaded_instance
 from exo.shared.types.commands import (
     AddCustomModelCard,
+    CancelDownload,
     Command,
     CreateInstance,
     DeleteCustomModelCard,
+    DeleteDownload,
     DeleteInstance,
     RequestEventLog,
+    StartDownload,
     TaskFinished,
     TextGeneration,
 )
@@ -28,9 +31,11 @@ from exo.shared.types.common import (
     TaskId,
     new_id,
 )
+from exo.shared.types.downloads import DownloadOrder
 from exo.shared.types.events import (
     CustomModelCardAdded,
     CustomModelCardDeleted,
+    DownloadOrdered,
     Event,
     IndexedEvent,
     InstanceCreated,
@@ -169,6 +174,8 @@ class Master:
             case DeleteCustomModelCard(model_id=model_id):
                 if model_id in self.state.custom_model_cards:
                     self.emit(CustomModelCardDeleted(model_id=model_id))
+            case StartDownload() | CancelDownload() | DeleteDownload():
+                self._order_download(command)
             case RequestEventLog(since_idx=since_idx):
                 for indexed in self.replica.history[since_idx:]:
                     self.router.publish(Topic.GLOBAL_EVENTS, indexed)
@@ -176,6 +183,29 @@ class Master:
                 for task in list(self.state.tasks.values()):
                     if task.command_id == finished_command_id:
                         self.emit(TaskDeleted(task_id=task.task_id))
+
+    def _order_download(self, command: StartDownload | CancelDownload | DeleteDownload) -> None:
+        """The API checked the command against its node's State; the master's may be newer."""
+        node_id, model_id = command.node_id, command.model_id
+        problem = None
+        if node_id not in self.state.nodes:
+            problem = f"node {node_id} is not in the cluster"
+        elif not isinstance(command, StartDownload) and instance_using_files(self.state, node_id, model_id):
+            problem = f"an instance on node {node_id} uses {model_id}"
+        elif isinstance(command, CancelDownload) and not download_running(self.state, node_id, model_id):
+            problem = f"no download of {model_id} is running on node {node_id}"
+        if problem is not None:
+            logger.warning(f"not carrying out {command.kind}: {problem}")
+            return
+        order: DownloadOrder
+        match command:
+            case StartDownload():
+                order = "start"
+            case CancelDownload():
+                order = "cancel"
+            case DeleteDownload():
+                order = "delete"
+        self.emit(DownloadOrdered(node_id=node_id, model_id=model_id, order=order))
 
     def _delete_instance(self, instance_id: InstanceId, reason: str) -> None:
         if instance_id not in self.state.instances:

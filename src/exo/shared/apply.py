@@ -3,14 +3,17 @@
 from typing import TypeVar, assert_never
 
 from exo.shared.types.common import ModelId
+from exo.shared.types.downloads import DownloadCancelled, DownloadFailed
 from exo.shared.types.events import (
     CustomModelCardAdded,
     CustomModelCardDeleted,
+    DownloadOrdered,
     Event,
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
     MasterElected,
+    NodeDownloadDeleted,
     NodeDownloadProgress,
     NodeGatheredInfo,
     NodeTimedOut,
@@ -50,6 +53,7 @@ def apply_event(state: State, event: Event) -> State:
                 update={
                     "nodes": _without(state.nodes, node_id),
                     "downloads": _without(state.downloads, node_id),
+                    "download_orders": _without(state.download_orders, node_id),
                     "topology": state.topology.without_node(node_id),
                 }
             )
@@ -91,12 +95,29 @@ def apply_event(state: State, event: Event) -> State:
         case NodeDownloadProgress(node_id=node_id, model_id=model_id, progress=progress):
             node_downloads = {**state.downloads.get(node_id, {}), model_id: progress}
             return state.model_copy(update={"downloads": {**state.downloads, node_id: node_downloads}})
+        case DownloadOrdered():
+            return _with_download_order(state, event)
+        case NodeDownloadDeleted(node_id=node_id, model_id=model_id):
+            downloads = {**state.downloads, node_id: _without(state.downloads.get(node_id, {}), model_id)}
+            orders = {**state.download_orders, node_id: _without(state.download_orders.get(node_id, {}), model_id)}
+            return state.model_copy(update={"downloads": downloads, "download_orders": orders})
         case TopologyEdgeUpdated(connection=connection):
             return state.model_copy(update={"topology": state.topology.with_connection(connection)})
         case TopologyEdgeDeleted(source=source, sink=sink):
             return state.model_copy(update={"topology": state.topology.without_edge(source, sink)})
         case _:
             assert_never(event)
+
+
+def _with_download_order(state: State, event: DownloadOrdered) -> State:
+    node_id, model_id = event.node_id, event.model_id
+    orders = {**state.download_orders, node_id: {**state.download_orders.get(node_id, {}), model_id: event.order}}
+    records = state.downloads.get(node_id, {})
+    if event.order == "start" and isinstance(records.get(model_id), DownloadFailed | DownloadCancelled):
+        # The record of an attempt that ended goes, so the worker starts again.
+        downloads = {**state.downloads, node_id: _without(records, model_id)}
+        return state.model_copy(update={"download_orders": orders, "downloads": downloads})
+    return state.model_copy(update={"download_orders": orders})
 
 
 def _without(mapping: dict[K, V], key: K) -> dict[K, V]:

@@ -1,7 +1,8 @@
 """Questions every layer asks of State, answered in one place. Pure functions of State,
 beside `apply`, so the master, the worker and the API agree on what "serving" means."""
 
-from exo.shared.types.common import CommandId, InstanceId, ModelId
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
+from exo.shared.types.downloads import DownloadOngoing, DownloadPending
 from exo.shared.types.instances import Instance
 from exo.shared.types.runners import SERVING_STATUSES, RunnerFailed, RunnerLoading, RunnerStatus
 from exo.shared.types.state import State
@@ -55,3 +56,15 @@ def has_task_for(state: State, command_id: CommandId) -> bool:
     return any(
         task.command_id == command_id and task.status not in FINISHED_TASK_STATUSES for task in state.tasks.values()
     )
+
+
+def instance_using_files(state: State, node_id: NodeId, model_id: str) -> Instance | None:
+    """An instance with a runner on that node running the model, which needs its files."""
+    for instance in instances_of(state, model_id):
+        if node_id in instance.shard_assignments.node_to_runner:
+            return instance
+    return None
+
+
+def download_running(state: State, node_id: NodeId, model_id: str) -> bool:
+    return isinstance(state.downloads.get(node_id, {}).get(ModelId(model_id)), DownloadPending | DownloadOngoing)

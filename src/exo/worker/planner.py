@@ -3,6 +3,7 @@ worker knows about its own runner processes."""
 
 from dataclasses import dataclass
 
+from exo.shared.queries import download_running, instance_using_files
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.downloads import DownloadCompleted, DownloadFailed
 from exo.shared.types.instances import Instance
@@ -80,7 +81,33 @@ class CancelTask:
     task_id: TaskId
 
 
-PlannerAction = CreateRunner | ShutdownRunner | DeleteFailedInstance | FindModel | RunnerStep | ForwardTask | CancelTask
+@dataclass(frozen=True)
+class StartModelDownload:
+    model_id: ModelId
+
+
+@dataclass(frozen=True)
+class CancelModelDownload:
+    model_id: ModelId
+
+
+@dataclass(frozen=True)
+class DeleteModelFiles:
+    model_id: ModelId
+
+
+PlannerAction = (
+    CreateRunner
+    | ShutdownRunner
+    | DeleteFailedInstance
+    | FindModel
+    | RunnerStep
+    | ForwardTask
+    | CancelTask
+    | StartModelDownload
+    | CancelModelDownload
+    | DeleteModelFiles
+)
 
 
 def plan(
@@ -102,6 +129,25 @@ def plan(
         action = _plan_instance(node_id, state, instance, runner_id, local.get(runner_id), now, downloading)
         if action is not None:
             return action
+    return _plan_download_orders(node_id, state, downloading)
+
+
+def _plan_download_orders(node_id: NodeId, state: State, downloading: frozenset[ModelId]) -> PlannerAction | None:
+    """The API's download orders for this node. A model an instance here runs is the
+    instance's business: such an order waits (the master refuses new ones)."""
+    for model_id, order in state.download_orders.get(node_id, {}).items():
+        if instance_using_files(state, node_id, model_id) is not None:
+            continue
+        record = state.downloads.get(node_id, {}).get(model_id)
+        stale = record is None or download_running(state, node_id, model_id)
+        if order == "start" and model_id not in downloading and stale:
+            # No record (or a failed one the order dropped), or one left by an earlier
+            # run of this node that stopped mid-download.
+            return StartModelDownload(model_id)
+        if order == "cancel" and download_running(state, node_id, model_id):
+            return CancelModelDownload(model_id)
+        if order == "delete":
+            return DeleteModelFiles(model_id)
     return None
 
 

@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import platform
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -12,12 +13,21 @@ import httpx
 import psutil
 from loguru import logger
 
-from exo.catalog.model_dirs import find_local_model_dir, is_complete_model_dir, models_dirs
+from exo.catalog.model_dirs import (
+    download_dir,
+    find_local_model_dir,
+    is_complete_model_dir,
+    is_read_only_path,
+    model_dir_name,
+    models_dirs,
+    partial_model_dir,
+)
 from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
 from exo.shared.types.commands import DeleteInstance
 from exo.shared.types.common import ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.downloads import (
+    DownloadCancelled,
     DownloadCompleted,
     DownloadFailed,
     DownloadOngoing,
@@ -26,6 +36,7 @@ from exo.shared.types.downloads import (
 )
 from exo.shared.types.events import (
     Event,
+    NodeDownloadDeleted,
     NodeDownloadProgress,
     NodeGatheredInfo,
     RunnerStatusUpdated,
@@ -38,18 +49,22 @@ from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.text_generation import ChunkGenerated
 from exo.worker.download import DownloadError, download_model
 from exo.worker.download.hub import PEER_HUB_PREFIX
+from exo.worker.download.progress_log import ConsoleProgress, eta_seconds
 from exo.worker.download.verify import PARTIAL_SUFFIX
 from exo.worker.link_probes import PROBE_TIMEOUT_SECONDS, local_interfaces, probe_peer, worth_reporting
 from exo.worker.planner import (
+    CancelModelDownload,
     CancelTask,
     CreateRunner,
     DeleteFailedInstance,
+    DeleteModelFiles,
     FindModel,
     ForwardTask,
     LocalRunner,
     PlannerAction,
     RunnerStep,
     ShutdownRunner,
+    StartModelDownload,
     plan,
 )
 from exo.worker.runner_protocol import SubmitTask
@@ -82,6 +97,8 @@ class Worker:
         self.offline = offline
         self.supervisors: dict[RunnerId, RunnerSupervisor] = {}
         self._downloads: dict[ModelId, asyncio.Task[None]] = {}
+        # The latest progress of each running download (State gets one a second).
+        self._progress: dict[ModelId, DownloadOngoing] = {}
         self._runner_statuses: dict[RunnerId, RunnerStatusUpdated] = {}
         self.forwarded: dict[RunnerId, set[TaskId]] = {}
         self.exited_at: dict[RunnerId, float] = {}
@@ -223,6 +240,16 @@ class Worker:
                 self.supervisors[runner_id].send(SubmitTask(task=state.tasks[task_id]))
             case CancelTask(runner_id=runner_id, task_id=task_id):
                 self.supervisors[runner_id].cancel(task_id)
+            case StartModelDownload(model_id=model_id):
+                previous = state.downloads.get(self.node_id, {}).get(model_id)
+                self._find_model(model_id, None)
+                await self.replica.wait_for(
+                    lambda s: s.downloads.get(self.node_id, {}).get(model_id) is not previous, timeout=10
+                )
+            case CancelModelDownload(model_id=model_id):
+                await self._cancel_download(model_id)
+            case DeleteModelFiles(model_id=model_id):
+                await self._delete_files(model_id)
             case _:
                 assert_never(action)
 
@@ -249,18 +276,24 @@ class Worker:
 
     async def _download(self, model_id: ModelId, layers: tuple[int, int] | None) -> None:
         last_report = 0.0
+        console = ConsoleProgress(model_id)
 
         def on_progress(downloaded: int, total: int, bytes_per_second: float) -> None:
             nonlocal last_report
+            progress = DownloadOngoing(
+                downloaded_bytes=downloaded,
+                total_bytes=total,
+                bytes_per_second=bytes_per_second,
+                eta_seconds=eta_seconds(downloaded, total, bytes_per_second),
+            )
+            self._progress[model_id] = progress
+            console.update(downloaded, total, bytes_per_second)
             # One event a second is plenty for a progress bar, and keeps the log small.
             if time.monotonic() - last_report >= DOWNLOAD_REPORT_SECONDS:
                 last_report = time.monotonic()
-                progress = DownloadOngoing(
-                    downloaded_bytes=downloaded, total_bytes=total, bytes_per_second=bytes_per_second
-                )
                 self._report_download(model_id, progress)
 
-        target = models_dirs(self.exo_home)[0]
+        target = download_dir(self.exo_home, model_id)
         try:
             path = await download_model(
                 model_id, target, on_progress, layers=layers, peers=self._peers_holding(model_id)
@@ -270,6 +303,7 @@ class Worker:
             outcome = DownloadFailed(error_message=str(error))
         except BaseException:
             self._downloads.pop(model_id, None)
+            self._progress.pop(model_id, None)
             raise
         self._report_download(model_id, outcome)
         # Still "downloading" until State shows the outcome, or the planner would see the
@@ -279,6 +313,46 @@ class Worker:
                 lambda s: s.downloads.get(self.node_id, {}).get(model_id) == outcome, timeout=10
             )
         self._downloads.pop(model_id, None)
+        self._progress.pop(model_id, None)
+
+    async def _stop_download(self, model_id: ModelId) -> DownloadOngoing | None:
+        """Cancels this node's download of the model, if one runs; its last progress."""
+        progress = self._progress.get(model_id)
+        task = self._downloads.get(model_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+        return progress
+
+    async def _cancel_download(self, model_id: ModelId) -> None:
+        progress = await self._stop_download(model_id)
+        if progress is None:  # a record left by an earlier run of this node
+            record = self.replica.state.downloads.get(self.node_id, {}).get(model_id)
+            progress = record if isinstance(record, DownloadOngoing) else None
+        cancelled = DownloadCancelled(
+            downloaded_bytes=progress.downloaded_bytes if progress else 0,
+            total_bytes=progress.total_bytes if progress else 0,
+        )
+        logger.info(f"cancelled the download of {model_id}; {cancelled.downloaded_bytes} bytes kept for a resume")
+        self._report_download(model_id, cancelled)
+        await self.replica.wait_for(
+            lambda s: isinstance(s.downloads.get(self.node_id, {}).get(model_id), DownloadCancelled), timeout=10
+        )
+
+    async def _delete_files(self, model_id: ModelId) -> None:
+        """Deletes the model's files from this node's writable models dirs, a partial
+        download's too; a copy in a read-only dir stays, and is reported again."""
+        await self._stop_download(model_id)
+        for models_dir in models_dirs(self.exo_home):
+            for path in (models_dir / model_dir_name(model_id), partial_model_dir(models_dir, model_id)):
+                if path.is_dir() and not is_read_only_path(path):
+                    await asyncio.to_thread(shutil.rmtree, path)
+                    logger.info(f"deleted {path}")
+        self.emit(NodeDownloadDeleted(node_id=self.node_id, model_id=model_id))
+        await self.replica.wait_for(lambda s: model_id not in s.download_orders.get(self.node_id, {}), timeout=10)
+        remaining = find_local_model_dir(model_id, self.exo_home)
+        if remaining is not None:
+            self._report_download(model_id, _completed(remaining, None))
 
     def _peers_holding(self, model_id: ModelId) -> dict[str, frozenset[str]]:
         """Peer hub endpoints of the nodes that hold files of the model, with those files."""
@@ -317,6 +391,7 @@ def _completed(model_dir: Path, layers: tuple[int, int] | None) -> DownloadCompl
         path=str(model_dir),
         files=[f.name for f in files],
         layers=layers,
+        read_only=is_read_only_path(model_dir),
     )
 
 

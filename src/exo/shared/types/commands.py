@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from exo.shared.models.model_cards import ModelCard
-from exo.shared.types.common import CommandId, FrozenModel, InstanceId, ModelId, new_id
+from exo.shared.types.common import CommandId, FrozenModel, InstanceId, ModelId, NodeId, new_id
 from exo.shared.types.instances import Instance
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
@@ -51,6 +51,29 @@ class DeleteCustomModelCard(CommandBase):
     model_id: ModelId
 
 
+class _DownloadCommand(CommandBase):
+    node_id: NodeId
+    model_id: ModelId
+
+
+class StartDownload(_DownloadCommand):
+    """Download the whole model on that node, with no instance placed."""
+
+    kind: Literal["StartDownload"] = "StartDownload"
+
+
+class CancelDownload(_DownloadCommand):
+    """Stop that node's running download of the model, keeping its verified bytes."""
+
+    kind: Literal["CancelDownload"] = "CancelDownload"
+
+
+class DeleteDownload(_DownloadCommand):
+    """Delete that node's files of the model (in writable models dirs only)."""
+
+    kind: Literal["DeleteDownload"] = "DeleteDownload"
+
+
 class RequestEventLog(CommandBase):
     """A node saw a gap in the indexes; the master re-sends events from since_idx on."""
 
@@ -65,6 +88,9 @@ Command = Annotated[
     | TaskFinished
     | AddCustomModelCard
     | DeleteCustomModelCard
+    | StartDownload
+    | CancelDownload
+    | DeleteDownload
     | RequestEventLog,
     Field(discriminator="kind"),
 ]

@@ -16,6 +16,8 @@ class DownloadOngoing(FrozenModel):
     downloaded_bytes: int
     total_bytes: int
     bytes_per_second: float = 0.0
+    # Seconds left at the current speed; None until there is a speed to go by.
+    eta_seconds: float | None = None
 
 
 class DownloadCompleted(FrozenModel):
@@ -26,9 +28,19 @@ class DownloadCompleted(FrozenModel):
     files: list[str] = []
     # Layers [start, end) those files serve; None: the whole model.
     layers: tuple[int, int] | None = None
+    # The path is in a read-only models dir: exo never deletes these files.
+    read_only: bool = False
 
     def covers(self, start_layer: int, end_layer: int) -> bool:
         return self.layers is None or self.layers[0] <= start_layer and end_layer <= self.layers[1]
+
+
+class DownloadCancelled(FrozenModel):
+    """Stopped by POST /download/cancel; the verified bytes stay on disk for a resume."""
+
+    kind: Literal["DownloadCancelled"] = "DownloadCancelled"
+    downloaded_bytes: int = 0
+    total_bytes: int = 0
 
 
 class DownloadFailed(FrozenModel):
@@ -37,6 +49,10 @@ class DownloadFailed(FrozenModel):
 
 
 DownloadProgress = Annotated[
-    DownloadPending | DownloadOngoing | DownloadCompleted | DownloadFailed,
+    DownloadPending | DownloadOngoing | DownloadCompleted | DownloadCancelled | DownloadFailed,
     Field(discriminator="kind"),
 ]
+
+# What the API asked a node to do with a model's files, kept in State until done:
+# "start" a download, "cancel" a running one, "delete" the files.
+DownloadOrder = Literal["start", "cancel", "delete"]

@@ -13,7 +13,7 @@ from exo.shared.types.common import (
     RunnerId,
     TaskId,
 )
-from exo.shared.types.downloads import DownloadProgress
+from exo.shared.types.downloads import DownloadOrder, DownloadProgress
 from exo.shared.types.instances import Instance
 from exo.shared.types.nodes import NodeInfo
 from exo.shared.types.runners import RunnerStatus
@@ -97,6 +97,24 @@ class NodeDownloadProgress(FrozenModel):
     progress: DownloadProgress
 
 
+class DownloadOrdered(FrozenModel):
+    """The master accepted a download command for that node; its worker carries it out.
+    A new "start" drops a failed or cancelled record, so the download runs again."""
+
+    kind: Literal["DownloadOrdered"] = "DownloadOrdered"
+    node_id: NodeId
+    model_id: ModelId
+    order: DownloadOrder
+
+
+class NodeDownloadDeleted(FrozenModel):
+    """The node deleted its files of the model: its record and order leave State."""
+
+    kind: Literal["NodeDownloadDeleted"] = "NodeDownloadDeleted"
+    node_id: NodeId
+    model_id: ModelId
+
+
 class TopologyEdgeUpdated(FrozenModel):
     """Inserts the edge connection.source -> connection.sink, or replaces it."""
 
@@ -121,6 +139,8 @@ Event = Annotated[
     | TaskStatusUpdated
     | TaskDeleted
     | NodeDownloadProgress
+    | DownloadOrdered
+    | NodeDownloadDeleted
     | CustomModelCardAdded
     | CustomModelCardDeleted
     | TopologyEdgeUpdated

@@ -9,7 +9,7 @@ from exo.shared.types.common import (
     RunnerId,
     TaskId,
 )
-from exo.shared.types.downloads import DownloadProgress
+from exo.shared.types.downloads import DownloadOrder, DownloadProgress
 from exo.shared.types.instances import Instance
 from exo.shared.types.nodes import NodeInfo
 from exo.shared.types.runners import RunnerStatus
@@ -25,6 +25,9 @@ class State(FrozenModel):
     runners: dict[RunnerId, RunnerStatus] = {}
     tasks: dict[TaskId, TextGenerationTask] = {}
     downloads: dict[NodeId, dict[ModelId, DownloadProgress]] = {}
+    # Download orders (POST /download/start, /download/cancel, DELETE /download/...)
+    # each node's worker has yet to carry out, or keeps following ("start").
+    download_orders: dict[NodeId, dict[ModelId, DownloadOrder]] = {}
     topology: Topology = Topology()
     # Cards added through the API; they live in the log, so they survive a failover.
     custom_model_cards: dict[ModelId, ModelCard] = {}

@@ -18,6 +18,7 @@ from urllib.parse import quote
 import httpx
 from huggingface_hub.utils import build_hf_headers
 from loguru import logger
+from pydantic import BaseModel
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 # Where a node's API serves its model files to peers in the hub's shapes (api/peer_files.py).
@@ -224,3 +225,38 @@ def stream_file(
             if attempt == MAX_ATTEMPTS:
                 raise transport_error(error, call) from error
             time.sleep(retry_wait(None, attempt))
+
+
+class HubModel(BaseModel):
+    """One model of a hub search."""
+
+    id: str
+    author: str
+    downloads: int
+    likes: int
+    last_modified: str
+    tags: list[str]
+
+
+def search_models(query: str, limit: int, endpoint: str | None = None) -> list[HubModel]:
+    """The hub's model search (`GET /api/models?search=`), most downloaded first. Blocking;
+    raises HubUnreachable or HubBusy (or DownloadError) with a message for the user."""
+    endpoint = (endpoint or hub_endpoint()).rstrip("/")
+    call = Call(endpoint, f"search {query!r}")
+    params = {"search": query, "limit": str(limit), "sort": "downloads", "direction": "-1"}
+    with client() as http:
+        found = get(http, f"{endpoint}/api/models", call, params=params).json()
+    if not isinstance(found, list):
+        raise DownloadError(f"{endpoint} answered the model search with something other than a list")
+    return [
+        HubModel(
+            id=str(entry.get("id") or entry.get("modelId") or ""),
+            author=str(entry.get("author") or ""),
+            downloads=int(entry.get("downloads") or 0),
+            likes=int(entry.get("likes") or 0),
+            last_modified=str(entry.get("lastModified") or ""),
+            tags=[str(tag) for tag in entry.get("tags") or []],
+        )
+        for entry in found
+        if isinstance(entry, dict)
+    ]

@@ -34,7 +34,7 @@ import httpx
 from loguru import logger
 
 from exo.catalog.cards import card_from_config
-from exo.catalog.model_dirs import is_complete_model_dir, model_dir_name
+from exo.catalog.model_dirs import is_complete_model_dir, model_dir_name, partial_model_dir
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.models.weight_files import INDEX_FILE, files_for_layers
 from exo.worker.download.hub import (
@@ -56,7 +56,6 @@ POLL_SECONDS = 0.5
 RATE_WINDOW_SECONDS = 5.0
 # Free space to keep on the disk on top of the model's own size.
 DISK_SPACE_MARGIN_BYTES = 64 * 1024 * 1024
-PARTIAL_DIR_NAME = ".downloads"
 
 # Top-level repo files a node needs to run a model.
 WANTED_FILE_PATTERNS = (
@@ -288,7 +287,7 @@ async def download_model(
     _check_model_id(model_id)
     target_dir = Path(target_dir)
     final_dir = target_dir / model_dir_name(model_id)
-    partial_dir = target_dir / PARTIAL_DIR_NAME / f"{model_dir_name(model_id)}.partial"
+    partial_dir = partial_model_dir(target_dir, model_id)
     cancel = threading.Event()
 
     async with _exclusive(final_dir):

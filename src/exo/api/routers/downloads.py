@@ -1,0 +1,124 @@
+"""Download control (upstream exo's endpoints): start a model's download on a node with no
+instance, cancel a running one (its verified bytes stay for a resume), delete a node's
+files of a model; and the hub's model search. Each command goes to the master, which
+orders the node's worker through State (`download_orders`)."""
+
+import asyncio
+
+from fastapi import APIRouter, Query
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+from exo.api.errors import ApiError
+from exo.api.placing import card_or_404
+from exo.api.port import ClusterDep, ClusterPort
+from exo.shared.queries import download_running, instance_using_files
+from exo.shared.types.commands import CancelDownload, DeleteDownload, StartDownload
+from exo.shared.types.common import ModelId, NodeId
+from exo.shared.types.downloads import DownloadCompleted
+from exo.worker.download import hub
+
+router = APIRouter()
+
+
+class DownloadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_id: str
+    # The node to download on; this node by default. `target_node_id` is upstream's name.
+    node_id: str | None = Field(None, validation_alias=AliasChoices("node_id", "target_node_id"))
+
+
+class DownloadCommandResponse(BaseModel):
+    message: str
+    command_id: str
+    node_id: str
+    model_id: str
+
+
+def _node_or_404(cluster: ClusterPort, node_id: str | None) -> NodeId:
+    node_id = node_id or cluster.node_id
+    if NodeId(node_id) not in cluster.state.nodes:
+        raise ApiError(404, f"node {node_id} is not in the cluster", code="node_not_found", param="node_id")
+    return NodeId(node_id)
+
+
+def _refuse_if_in_use(cluster: ClusterPort, node_id: NodeId, model_id: str, doing: str) -> None:
+    instance = instance_using_files(cluster.state, node_id, model_id)
+    if instance is not None:
+        raise ApiError(
+            409,
+            f"cannot {doing} {model_id} on node {node_id}: instance {instance.instance_id} uses its files; "
+            "delete the instance first",
+            code="model_in_use",
+        )
+
+
+def _send(
+    cluster: ClusterPort, command: StartDownload | CancelDownload | DeleteDownload, message: str
+) -> DownloadCommandResponse:
+    cluster.send_command(command)
+    return DownloadCommandResponse(
+        message=message, command_id=command.command_id, node_id=command.node_id, model_id=command.model_id
+    )
+
+
+@router.post("/download/start")
+def start_download(cluster: ClusterDep, body: DownloadRequest) -> DownloadCommandResponse:
+    node_id = _node_or_404(cluster, body.node_id)
+    card_or_404(cluster, body.model_id)
+    command = StartDownload(node_id=node_id, model_id=ModelId(body.model_id))
+    return _send(cluster, command, f"downloading {body.model_id} on node {node_id}")
+
+
+@router.post("/download/cancel")
+def cancel_download(cluster: ClusterDep, body: DownloadRequest) -> DownloadCommandResponse:
+    node_id = _node_or_404(cluster, body.node_id)
+    card_or_404(cluster, body.model_id)
+    _refuse_if_in_use(cluster, node_id, body.model_id, "cancel the download of")
+    if not download_running(cluster.state, node_id, body.model_id):
+        raise ApiError(409, f"no download of {body.model_id} is running on node {node_id}", code="download_not_running")
+    command = CancelDownload(node_id=node_id, model_id=ModelId(body.model_id))
+    return _send(cluster, command, f"cancelling the download of {body.model_id} on node {node_id}")
+
+
+@router.delete("/download/{node_id}/{model_id:path}")
+def delete_download(cluster: ClusterDep, node_id: str, model_id: str) -> DownloadCommandResponse:
+    target = _node_or_404(cluster, node_id)
+    record = cluster.state.downloads.get(target, {}).get(ModelId(model_id))
+    if record is None:
+        card_or_404(cluster, model_id)
+        raise ApiError(404, f"node {target} holds no files of {model_id}", code="download_not_found")
+    _refuse_if_in_use(cluster, target, model_id, "delete")
+    if isinstance(record, DownloadCompleted) and record.read_only:
+        raise ApiError(
+            409,
+            f"{model_id} on node {target} is in a read-only models dir ({record.path}); exo never deletes there",
+            code="read_only_model_dir",
+        )
+    command = DeleteDownload(node_id=target, model_id=ModelId(model_id))
+    return _send(cluster, command, f"deleting the files of {model_id} on node {target}")
+
+
+class HubModelResult(hub.HubModel):
+    # The cluster already has a card for it (it can be placed without /models/add).
+    known: bool
+
+
+@router.get("/models/search")
+async def search_models(
+    cluster: ClusterDep,
+    q: str = "",
+    query: str | None = None,
+    limit: int = Query(20, ge=1, le=100),
+) -> list[HubModelResult]:
+    """The hub's model search (`q`, or upstream's `query`); a clear 503 when this node is
+    offline or the hub does not answer."""
+    if cluster.settings.offline:
+        raise ApiError(503, "this node is offline (--offline or EXO_OFFLINE): it cannot search the hub", code="offline")
+    try:
+        found = await asyncio.to_thread(hub.search_models, query or q, limit)
+    except (hub.HubUnreachable, hub.HubBusy) as error:
+        raise ApiError(503, f"cannot search the hub: {error}", code="hub_unreachable", retry_after=30) from error
+    except hub.DownloadError as error:
+        raise ApiError(502, f"the hub's search failed: {error}", code="hub_error") from error
+    cards = cluster.cards()
+    return [HubModelResult(**model.model_dump(), known=model.id in cards) for model in found]
