@@ -6,6 +6,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from loguru import logger
+from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
@@ -52,6 +54,23 @@ def holds_only_some_shards(model_dir: Path, shard: ShardMetadata) -> bool:
     return True
 
 
+def set_wired_limit(weight_bytes: int) -> None:
+    """On Metal, lets MLX keep up to the GPU's recommended working set wired (resident,
+    never paged out) before the weights arrive, as mlx-lm's generate does; without it
+    macOS may page weights out between tokens. Other backends have no wired memory."""
+    if not mx.metal.is_available():
+        logger.info(f"no Metal device: wired-memory limit not set ({weight_bytes >> 20} MiB of weights)")
+        return
+    limit = int(mx.device_info()["max_recommended_working_set_size"])
+    if weight_bytes > 0.9 * limit:
+        logger.warning(
+            f"weights of {weight_bytes >> 20} MiB are close to the recommended working set of "
+            f"{limit >> 20} MiB: generation may be slow"
+        )
+    mx.set_wired_limit(limit)
+    logger.info(f"wired-memory limit set to {limit >> 20} MiB for {weight_bytes >> 20} MiB of weights")
+
+
 def load_shard(
     model_dir: Path, shard: ShardMetadata, group: mx.distributed.Group | None, on_layer_loaded: LayerProgress
 ) -> tuple[nn.Module, TokenizerWrapper]:
@@ -62,12 +81,19 @@ def load_shard(
     add_family_eos_ids(tokenizer, config["model_type"])
     # Shard while the weights are still lazy, so only this rank's part is ever read.
     shard_model(model, config["model_type"], shard, group)
+    # Still lazy: the sizes are this rank's share, nothing is read yet.
+    set_wired_limit(sum(p.nbytes for _, p in tree_flatten(model.parameters()) if isinstance(p, mx.array)))
     layers = model_layers(model)
     # Materialise layer by layer so progress is visible and peak memory grows smoothly.
+    # Reading a layer leaves temporaries in MLX's buffer cache (a tensor rank's whole
+    # unsharded weights, experts before they are stacked, dequantized originals); giving
+    # them back after each layer keeps the memory held at the weights loaded so far.
     for loaded, layer in enumerate(layers, 1):
         mx.eval(layer.parameters())
+        mx.clear_cache()
         on_layer_loaded(loaded, len(layers))
     mx.eval(model.parameters())
+    mx.clear_cache()
     if group is not None:
         # Nobody starts serving until every rank has its weights.
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
