@@ -152,3 +152,40 @@ def test_with_the_hub_stopped_a_node_takes_the_files_it_lacks_from_its_peer(fake
         peer = next(n for n in nodes if n is not node)
         print(f"peer transfer on loopback: {peer_speed(peer) / 1e6:.0f} MB/s")
         assert answers(node)
+
+
+def test_three_nodes_with_the_hub_stopped_after_one_has_the_model(fake_hub: FakeHub, tmp_path: Path) -> None:
+    """One node downloads the whole model (POST /download/start, no instance); the hub
+    stops; a 3-way pipeline places, and the other two take their layers from that node."""
+    endpoint, root = fake_hub
+    weight_map = make_layered_model(root / "acme--layered")
+    source = {f.name: f.read_bytes() for f in (root / "acme--layered").iterdir()}
+    model_bytes = sum(len(b) for b in source.values())
+    with cluster_with_the_model(3, endpoint, tmp_path) as nodes:
+        holder = nodes[0]
+        holder_id = holder.node_id()
+        assert holder.post("/download/start", json={"model_id": MODEL_ID}).status_code == 200
+        holder.wait_for_state(
+            lambda s: s["downloads"].get(holder_id, {}).get(MODEL_ID, {}).get("kind") == "DownloadCompleted",
+            timeout=60,
+            what="the holder's download",
+        )
+        assert holder.state()["instances"] == {}
+        hub_bytes = fake_hub.body_bytes_sent
+        fake_hub.stop()
+
+        instance_id = place_ready(nodes, min_nodes=3)
+        state = nodes[0].state()
+        assignments = state["instances"][instance_id]["shardAssignments"]
+        for node in nodes[1:]:
+            node_id = node.node_id()
+            shard = assignments["runnerToShard"][assignments["nodeToRunner"][node_id]]
+            layers = (shard["startLayer"], shard["endLayer"])
+            held = {f.name for f in (node.home / "models").rglob("*.safetensors")}
+            assert held == files_for_layers(weight_map, layers), (layers, held)
+            for path in (node.home / "models").rglob("*.safetensors"):
+                assert path.read_bytes() == source[path.name]
+            assert f"of {MODEL_ID} from peer http://127.0.0.1:{holder.api_port}" in node.logs()
+        assert answers(nodes[1])
+        print(f"3 nodes, hub stopped after one: hub bytes / model size = {hub_bytes / model_bytes:.3f}")
+        assert hub_bytes / model_bytes < 1.1
