@@ -93,7 +93,7 @@ PIXEL = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQG
 
 
 def test_images_are_refused_in_each_apis_own_error_shape_not_dropped(exo_node: ExoNode):
-    # The engine runs models' text path only: an image must not vanish from the prompt.
+    # A text-only model refuses images: an image must not vanish from the prompt.
     exo_node.place()
     image_url = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PIXEL}"}}
     openai_body = {
@@ -121,7 +121,7 @@ def test_images_are_refused_in_each_apis_own_error_shape_not_dropped(exo_node: E
     )
     assert ollama.status_code == 400 and "takes text only" in ollama.json()["error"]
 
-    # A card that says it sees images gets told vision is not supported yet, not "text only".
+    # A card that says it sees images has them checked: bytes that are no image are a 400.
     card = {
         "model_id": "custom/seeing",
         "n_layers": 4,
@@ -132,10 +132,10 @@ def test_images_are_refused_in_each_apis_own_error_shape_not_dropped(exo_node: E
     }
     assert exo_node.post("/models", json=card).status_code == 200
     exo_node.wait_for_state(lambda s: "custom/seeing" in s["customModelCards"], what="card added")
-    error = assert_openai_error(
-        exo_node.post("/v1/chat/completions", json={**openai_body, "model": "custom/seeing"}), 400
-    )
-    assert "vision input is not supported yet" in error["message"]
+    broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    seeing_body = {"model": "custom/seeing", "messages": [{"role": "user", "content": [broken]}]}
+    error = assert_openai_error(exo_node.post("/v1/chat/completions", json=seeing_body), 400)
+    assert error["code"] == "invalid_image" and "image 1 could not be decoded" in error["message"]
 
     # Text still works.
     sdk = openai.OpenAI(base_url=f"{exo_node.url}/v1", api_key="unused", max_retries=0)

@@ -124,9 +124,10 @@ def test_requests_convert_tools_thinking_images_and_raw_prompts():
     )
     params = chat_task_params(request)
     user, assistant, tool = params.messages
+    # Images before the text, as Ollama places them.
     assert user.content == [
-        {"type": "text", "text": "Weather?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA"}},
+        {"type": "text", "text": "Weather?"},
     ]
     assert assistant.reasoning_content == "use the tool"
     assert assistant.tool_calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}

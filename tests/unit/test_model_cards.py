@@ -131,7 +131,9 @@ def test_gemma_4_cards_carry_the_seed_values():
             assert card.num_key_value_heads == kv_heads
             assert card.context_length == context_length
             assert card.quantization == quantization
-            assert card.capabilities == ["text", "vision"]
+            # exo runs the vision side of the E2B/E4B layout only (shared/models/vision.py).
+            vision = ["vision"] if size.startswith("e") else []
+            assert card.capabilities == ["text", *vision]
             assert card.reasoning_dialect == ReasoningDialect.none
     assert cards["mlx-community/gemma-4-26b-a4b-it-4bit"].storage_size.in_bytes == 15608614044
 
@@ -203,6 +205,7 @@ def test_multimodal_config_is_read_from_text_config(tmp_path):
             "max_position_embeddings": 1024,
         },
         "vision_config": {"hidden_size": 4},
+        "image_token_id": 7,
     }
     write_tiny_model(tmp_path / "acme--seeing", config)
 
@@ -385,3 +388,18 @@ def test_watch_refreshes_in_the_background(tmp_path, monkeypatch):
 
     asyncio.run(main())
     assert "acme/tiny" in node_catalog.cards({})
+
+
+def test_a_derived_card_says_vision_only_where_exo_runs_it(tmp_path):
+    text = {"num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "max_position_embeddings": 64}
+    base = {"model_type": "gemma4", "text_config": text, "vision_config": {"hidden_size": 4}, "image_token_id": 7}
+    layouts = {
+        "e2b": (base, ["text", "vision"]),
+        # 26B-A4B / 31B: image tokens attend both ways on sliding layers, not run yet.
+        "big": ({**base, "text_config": {**text, "use_bidirectional_attention": "vision"}}, ["text"]),
+        "notoken": ({k: v for k, v in base.items() if k != "image_token_id"}, ["text"]),
+        "qwen": ({**base, "model_type": "qwen2_5_vl"}, ["text"]),
+    }
+    for name, (config, capabilities) in layouts.items():
+        write_tiny_model(tmp_path / f"acme--{name}", config)
+        assert card_from_model_dir(tmp_path / f"acme--{name}", f"acme/{name}").capabilities == capabilities, name

@@ -12,16 +12,15 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from exo.api.errors import ApiError
+from exo.api.images import resolve_images
 from exo.api.port import ClusterPort
 from exo.engine.encoding.chat_prompt import render_prompt
+from exo.engine.parsing.output import think_markers_for, vocabulary_think_markers
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 # MLX seeds its generator with an unsigned 64-bit integer.
 MAX_SEED = 2**64 - 1
-
-# Content parts that carry media rather than text, as the adapters pass them on.
-MEDIA_PARTS = {"image_url", "image", "input_image", "input_audio", "audio", "file", "input_file"}
 
 
 @lru_cache(maxsize=8)
@@ -30,11 +29,6 @@ def _tokenizer_at(path: Path) -> Tokenizer | None:
         return Tokenizer.from_file(str(path / "tokenizer.json"))
     except Exception:  # missing or unreadable: callers fall back to an estimate
         return None
-
-
-# The think-token pairs mlx-lm's TokenizerWrapper looks for; where the vocabulary has one,
-# it renders the template with enable_thinking on unless the request says otherwise.
-_THINK_TOKENS = (("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"), ("<|think:start|>", "<|think:end|>"))
 
 
 @dataclass(frozen=True)
@@ -47,17 +41,23 @@ class ChatTokenizer:
     has_thinking: bool
 
 
+def _model_type_at(path: Path) -> str:
+    try:
+        return str(json.loads((path / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError, AttributeError):  # no readable config: no family facts
+        return ""
+
+
 @lru_cache(maxsize=8)
 def chat_tokenizer_at(path: Path) -> ChatTokenizer | None:
+    model_type = _model_type_at(path)
     try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
         template = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     except Exception:  # missing, unreadable or a custom tokenizer class: the estimate serves
         return None
-    vocab = template.get_vocab()
-    has_thinking = any(start in vocab and end in vocab for start, end in _THINK_TOKENS) or (
-        "<|channel>" in vocab and "<channel|>" in vocab
-    )
+    # Where mlx-lm's TokenizerWrapper finds think tokens, the engine renders the template
+    # with enable_thinking on unless the request says otherwise.
+    has_thinking = vocabulary_think_markers(template.get_vocab()) is not None
     return ChatTokenizer(template, model_type, has_thinking)
 
 
@@ -65,6 +65,17 @@ def local_tokenizer(cluster: ClusterPort, model: str) -> Tokenizer | None:
     """The model's fast tokenizer when its files are on this node, else None."""
     model_dir = cluster.local_model_dir(model)
     return _tokenizer_at(model_dir) if model_dir is not None else None
+
+
+def model_think_markers(cluster: ClusterPort, model: str) -> tuple[str, str] | None:
+    """Where the engine will split the model's reasoning off, when its files are on this
+    node: the family table's markers for its model_type, else those in its vocabulary."""
+    model_dir = cluster.local_model_dir(model)
+    if model_dir is None:
+        return None
+    tokenizer = _tokenizer_at(model_dir)
+    detected = vocabulary_think_markers(tokenizer.get_vocab(with_added_tokens=True)) if tokenizer else None
+    return think_markers_for(_model_type_at(model_dir), detected)
 
 
 def chat_prompt_token_count(chat: ChatTokenizer, params: TextGenerationTaskParams, dialect: str) -> int | None:
@@ -111,40 +122,16 @@ def check_token_ids(ids: list[int], tokenizer: Tokenizer | None) -> None:
         )
 
 
-def check_text_only(card: ModelCard, params: TextGenerationTaskParams) -> None:
-    """A 400 for images, audio or files: the engine runs models' text path only, and a
-    model answering as if the picture were not there would mislead the user."""
-    media = {
-        part.get("type")
-        for message in params.messages
-        if isinstance(message.content, list)
-        for part in message.content
-        if part.get("type") in MEDIA_PARTS
-    }
-    if not media:
-        return
-    reason = (
-        "exo runs only its text path so far; vision input is not supported yet"
-        if "vision" in card.capabilities
-        else "the model takes text only"
-    )
-    raise ApiError(
-        400,
-        f"{params.model} cannot read {', '.join(sorted(str(m) for m in media))} content: {reason}",
-        code="unsupported_content",
-        param="messages",
-    )
-
-
 async def checked_params(
     cluster: ClusterPort, card: ModelCard, params: TextGenerationTaskParams
 ) -> TextGenerationTaskParams:
-    """A 400 for a request with nothing to answer, media, a bad seed, token ids out of the
-    vocabulary or a prompt longer than the model's context; no top_k at or over the
-    vocabulary size (it keeps every token anyway, and the sampler refuses it)."""
+    """Images resolved (api/images.py); a 400 for a request with nothing to answer, media
+    the model cannot read, a bad seed, token ids out of the vocabulary or a prompt longer
+    than the model's context; no top_k at or over the vocabulary size (it keeps every
+    token anyway, and the sampler refuses it)."""
     if params.prompt is None and not params.messages:
         raise ApiError(400, "the request has no messages to answer", code="invalid_request", param="messages")
-    check_text_only(card, params)
+    params = await resolve_images(card, params)
     if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
         raise ApiError(400, f"seed must be between 0 and {MAX_SEED}", code="invalid_request", param="seed")
     tokenizer = local_tokenizer(cluster, params.model)

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from exo.catalog.model_dirs import resource_dir, weight_files
 from exo.shared.models.families import family_facts, has_tensor_strategy
 from exo.shared.models.model_cards import ModelCard, ModelTask, StorageSize
+from exo.shared.models.vision import vision_runs
 
 
 def _load_card_file(path: Path) -> ModelCard:
@@ -68,7 +69,7 @@ def card_from_config(config: dict, model_id: str, weight_bytes: int) -> ModelCar
     kv_heads = _config_value(config, "num_key_value_heads") or _config_value(config, "num_attention_heads")
     quantization = config.get("quantization") or config.get("quantization_config") or {}
     bits = quantization.get("bits")
-    capabilities = ["text", "vision"] if "vision_config" in config else ["text"]
+    capabilities = ["text", "vision"] if vision_runs(config) else ["text"]
     model_type = config.get("model_type", "")
     facts = family_facts(model_type)
     return ModelCard(

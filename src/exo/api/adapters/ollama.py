@@ -60,9 +60,10 @@ class OllamaGenerateRequest(OllamaRequestBase):
 def _content(text: str | None, images: list[str] | None) -> str | list[dict[str, Any]]:
     if not images:
         return text or ""
-    # Ollama sends bare base64; the vision encoder sniffs the real image format.
+    # Ollama sends bare base64 (api/images.py finds the real format) and puts a message's
+    # images before its text.
     parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}} for image in images]
-    return [{"type": "text", "text": text or ""}, *parts]
+    return [*parts, {"type": "text", "text": text or ""}]
 
 
 def _tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

@@ -13,7 +13,7 @@ from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskPara
 
 def template_message(message: ChatMessage, dialect: str = "none") -> dict[str, Any]:
     role = "system" if message.role == "developer" else message.role
-    rendered: dict[str, Any] = {"role": role, "content": message_text(message)}
+    rendered: dict[str, Any] = {"role": role, "content": template_content(message)}
     rendered.update(template_fields(message, dialect))
     if message.tool_calls:
         rendered["tool_calls"] = [template_tool_call(call) for call in message.tool_calls]
@@ -41,6 +41,18 @@ def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
+def template_content(message: ChatMessage) -> str | list[dict[str, Any]]:
+    """Plain text, or for a message with images the parts vision templates iterate over
+    (each image a {"type": "image"} part where the template writes its placeholder)."""
+    if isinstance(message.content, list) and any(part.get("type") == "image" for part in message.content):
+        return [
+            {"type": "image"} if part.get("type") == "image" else {"type": "text", "text": part.get("text", "")}
+            for part in message.content
+            if part.get("type") in ("image", "text")
+        ]
+    return message_text(message)
+
+
 def message_text(message: ChatMessage) -> str:
     if message.content is None:
         return ""
@@ -65,7 +77,7 @@ def render_prompt(tokenizer: Any, params: TextGenerationTaskParams, model_type: 
     messages = [template_message(m, dialect) for m in chat]
     if tokenizer.chat_template is None:
         # Base models have no template: plain concatenation is the honest fallback.
-        return "\n".join(m["content"] for m in messages)
+        return "\n".join(message_text(m) for m in chat)
     extra: dict[str, Any] = {}
     if params.enable_thinking is not None:
         extra["enable_thinking"] = params.enable_thinking

@@ -8,7 +8,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, assert_never, cast
@@ -26,6 +26,7 @@ from exo.engine.mlx.constrained import GrammarProcessor, grammar_for, grammar_to
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.parallel import broadcast_bytes, connect_group, inner_model, set_pipeline_sharing
 from exo.engine.mlx.prefix_cache import PrefixCache
+from exo.engine.mlx.vision import VisionEncoder, VisionPrompt, images_of, load_vision
 from exo.engine.parsing.base import Parsed, StreamParser
 from exo.engine.parsing.output import make_output_parser, tool_format_for
 from exo.engine.parsing.reasoning import prompt_opens_reasoning
@@ -77,7 +78,14 @@ RankOp = Annotated[StartRequest | CancelRequest | EndWarmup | StopFollowers, Fie
 _RANK_OPS = TypeAdapter(list[RankOp])
 
 
-def prefill_chunk(model: nn.Module, tokens: list[int], cache: list[Any], pipeline_ranks: int = 1) -> None:
+# The language model's inputs for positions [start, end) of a chunk, when they are more
+# than its token ids (a prompt with images).
+ChunkInputs = Callable[[int, int], dict[str, mx.array]]
+
+
+def prefill_chunk(
+    model: nn.Module, tokens: list[int], cache: list[Any], pipeline_ranks: int = 1, inputs: ChunkInputs | None = None
+) -> None:
     """Run one chunk of the prompt through the model, filling the cache. We evaluate the
     hidden states, not just the caches as mlx-lm's own prefill does: on a pipeline rank
     the send to the next rank is not an input of any cache, so evaluating only caches
@@ -93,7 +101,11 @@ def prefill_chunk(model: nn.Module, tokens: list[int], cache: list[Any], pipelin
             set_pipeline_sharing(model, False)
         try:
             for start in range(0, len(tokens), size):
-                hidden = inner(mx.array(tokens[start : start + size])[None], cache=cache)
+                end = min(start + size, len(tokens))
+                if inputs is None:
+                    hidden = inner(mx.array(tokens[start:end])[None], cache=cache)
+                else:
+                    hidden = inner(cache=cache, **inputs(start, end))
                 mx.eval(hidden, [c.state for c in cache])
         finally:
             if pipeline_ranks > 1:
@@ -122,6 +134,9 @@ class _Request:
     parser: StreamParser
     max_tokens: int
     submitted_at: float
+    # What the prefix cache knows the prompt by (its images' hashes in their runs).
+    key: list[int] = field(default_factory=list)
+    vision: VisionPrompt | None = None
     want_logprobs: int | None = None  # None: none; else how many alternatives
     # logit_bias, penalties and a response_format grammar, applied in that order.
     logits_processors: list[Any] = field(default_factory=list)
@@ -155,6 +170,7 @@ class MlxEngine:
         self.tool_format: str | None = None
         self.think_markers: tuple[str, str] | None = None
         self.prefix_cache: PrefixCache | None = None
+        self.vision: VisionEncoder | None = None
         self.pipeline_ranks = 1
         self._requests: dict[CommandId, _Request] = {}
         self._pending_ops: list[RankOp] = []
@@ -174,6 +190,9 @@ class MlxEngine:
         self.tool_format = tool_format_for(self.model_type, self.tokenizer.chat_template)
         self.think_markers = detected_think_markers(self.tokenizer, self.model_type)
         self.prefix_cache = PrefixCache(self.model, self.model_type)
+        self.vision = load_vision(model_dir)
+        if self.vision is not None:
+            self.vision.bind(inner_model(self.model))
         self.pipeline_ranks = shard.world_size if isinstance(shard, PipelineShardMetadata) else 1
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
         self.reasoning_dialect = shard.model_card.reasoning_dialect.value
@@ -207,6 +226,8 @@ class MlxEngine:
         assert self.model is not None and self.tokenizer is not None, "load() first"
         # An unusable schema fails here, back to the caller, not later inside a step.
         grammar = grammar_for(params.response_format)
+        if params.images and self.vision is None:
+            raise ValueError(f"{params.model} takes no images")
         # Every rank seeds its sampler the same way, so all ranks draw the same tokens.
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         self._pending_ops.append(StartRequest(request_id=request_id, params=params, seed=seed, grammar=grammar))
@@ -251,10 +272,14 @@ class MlxEngine:
         prompt, prompt_text = encode_prompt(self.tokenizer, params, self.model_type, self.reasoning_dialect)
         if not prompt:
             prompt = [self.tokenizer.bos_token_id or 0]
+        vision = self.vision.prepare(prompt, images_of(params)) if params.images and self.vision else None
+        if vision is not None:
+            prompt = vision.tokens
+        key = vision.key if vision is not None else prompt
         mx.random.seed(op.seed)
         assert self.prefix_cache is not None
         # All but the last prompt token are prefilled; the last starts generate_step.
-        cache, cached = self.prefix_cache.fetch(prompt[:-1])
+        cache, cached = self.prefix_cache.fetch(key[:-1])
         max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
         self._requests[op.request_id] = _Request(
             request_id=op.request_id,
@@ -266,6 +291,8 @@ class MlxEngine:
             parser=self._output_parser(params, prompt_text),
             max_tokens=max_tokens,
             submitted_at=time.perf_counter(),
+            key=key,
+            vision=vision,
             want_logprobs=(params.top_logprobs or 0) if params.logprobs else None,
             logits_processors=self._logits_processors(params, max_tokens, op.grammar),
             prefilled=cached,
@@ -344,10 +371,16 @@ class MlxEngine:
         to_prefill = len(request.prompt) - 1
         if request.prefilled < to_prefill:
             end = min(request.prefilled + PREFILL_STEP, to_prefill)
-            prefill_chunk(self.model, request.prompt[request.prefilled : end], request.cache, self.pipeline_ranks)
+            prefill_chunk(
+                self.model,
+                request.prompt[request.prefilled : end],
+                request.cache,
+                self.pipeline_ranks,
+                self._chunk_inputs(request),
+            )
             request.prefilled = end
             assert self.prefix_cache is not None
-            self.prefix_cache.remember_boundary(request.prompt[:end], request.cache)
+            self.prefix_cache.remember_boundary(request.key[:end], request.cache)
             return ChunkGenerated(
                 command_id=command_id,
                 prefill=PrefillProgress(processed_tokens=end, total_tokens=len(request.prompt)),
@@ -406,8 +439,17 @@ class MlxEngine:
             return chunk
         del self._requests[request.request_id]
         assert self.prefix_cache is not None
-        self.prefix_cache.remember_finished(request.prompt + request.output, request.cache)
+        self.prefix_cache.remember_finished(request.key + request.output, request.cache)
         return chunk.model_copy(update={"usage": self._usage(request), "stats": self._stats(request)})
+
+    def _chunk_inputs(self, request: _Request) -> ChunkInputs | None:
+        """For a prompt with images: the inputs of the chunk starting where prefill is."""
+        vision, prompt = self.vision, request.vision
+        if vision is None or prompt is None:
+            return None
+        assert self.model is not None
+        inner, offset = inner_model(self.model), request.prefilled
+        return lambda start, end: vision.chunk_inputs(inner, prompt, offset + start, offset + end)
 
     def _logprob(self, token: int, logprobs: mx.array, top: int) -> TokenLogprob:
         """A token's log probability and its top alternatives. Extreme sampling settings
@@ -462,6 +504,7 @@ class MlxEngine:
         self.model = None
         self.tokenizer = None
         self.prefix_cache = None
+        self.vision = None
 
 
 def _json_logprob(value: mx.array) -> float:

@@ -1,5 +1,6 @@
 """The one internal request every API adapter converts to, and the chunks it yields."""
 
+import base64
 from typing import Any, Literal
 
 from pydantic import Field
@@ -17,6 +18,19 @@ class ChatMessage(FrozenModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+
+class ImageInput(FrozenModel):
+    """An image a request carries, once however often its messages show it: message
+    parts refer to it by content hash as {"type": "image", "sha256": ...}."""
+
+    sha256: str
+    media_type: str
+    data_base64: str
+
+    @property
+    def data(self) -> bytes:
+        return base64.b64decode(self.data_base64)
 
 
 class TextGenerationTaskParams(FrozenModel):
@@ -50,6 +64,19 @@ class TextGenerationTaskParams(FrozenModel):
     logit_bias: dict[int, float] | None = None
     # OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}.
     response_format: dict[str, Any] | None = None
+    # The images the messages' image parts name, each once.
+    images: list[ImageInput] = []
+
+
+def image_hashes_in_order(params: TextGenerationTaskParams) -> list[str]:
+    """The hashes of the images the messages show, in order (repeats included)."""
+    return [
+        str(part["sha256"])
+        for message in params.messages
+        if isinstance(message.content, list)
+        for part in message.content
+        if part.get("type") == "image" and "sha256" in part
+    ]
 
 
 class Usage(FrozenModel):

@@ -1,0 +1,188 @@
+"""Tiny vision-language models made with transformers, for numerical tests of exo's image
+path against transformers' own forward: real config structures shrunk to width 64 (a
+vision tower of width 32), sharp random weights (N(0, 0.08) for every matrix, a little
+noise on every constant vector), saved in HF layout with the image processor's config
+beside them. AutoProcessor is never used: it wants torchvision for the video processor.
+
+`make_tiny_vlm(path, name)` writes one; `TINY_VLMS` lists the names."""
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from exo.devtools.tiny_configs import TINY_CONFIGS
+from exo.devtools.tiny_models import write_tokenizer
+
+INIT_STD = 0.08
+
+# Renders image parts as the family's placeholder, which the processor expands into the
+# image's run of soft tokens (begin marker, N image tokens, end marker).
+VLM_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ image_placeholder }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+# Gemma 4's tokens for images (and the audio and video ones its config names).
+GEMMA4_TOKENS = {
+    "image_token": "<|image|>",
+    "boi_token": "<|boi|>",
+    "eoi_token": "<|eoi|>",
+    "audio_token": "<|audio|>",
+    "video_token": "<|video|>",
+}
+
+# A vision tower of the real structure (ViT blocks, 2-D rotary, pooling 3x3 patches to a
+# soft token), patches of 4 pixels: a 96x96 image is 24x24 patches, 64 soft tokens.
+GEMMA4_VISION = {
+    "model_type": "gemma4_vision",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "patch_size": 4,
+    "pooling_kernel_size": 3,
+    "position_embedding_size": 64,
+    "initializer_range": INIT_STD,
+}
+# The smallest budget transformers' Gemma 4 processors accept.
+GEMMA4_MAX_SOFT_TOKENS = 70
+
+TINY_VLMS = ("gemma4_vlm",)
+
+
+def _write_vlm_tokenizer(path: Path, tokens: dict[str, str], placeholder: str) -> dict[str, int]:
+    """The tiny BPE tokenizer with the family's image tokens added; returns their ids."""
+    write_tokenizer(path, 512, 64)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tokenizer.add_special_tokens(list(tokens.values()))
+    tokenizer.save(str(path / "tokenizer.json"))
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(tokens)
+    config["chat_template"] = VLM_CHAT_TEMPLATE.replace("{{ image_placeholder }}", placeholder)
+    config_path.write_text(json.dumps(config, indent=2))
+    ids = {name: tokenizer.token_to_id(token) or 0 for name, token in tokens.items()}
+    ids["vocab_size"] = tokenizer.get_vocab_size()
+    return ids
+
+
+def _sharpen(model: Any, seed: int) -> None:
+    """Every matrix from N(0, INIT_STD); every vector gets noise of its own, so a constant
+    (a norm's ones, a zero bias) mixed up somewhere cannot go unnoticed."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if param.ndim >= 2:
+                param.copy_(INIT_STD * noise)
+            else:
+                scale = 0.1 * max(float(param.abs().mean()), 0.2)
+                param.add_(scale * noise)
+
+
+def _update_config(path: Path, **fields: Any) -> None:
+    config_path = path / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **fields}, indent=2))
+
+
+def make_tiny_gemma4_vlm(path: Path, seed: int = 0) -> Path:
+    """Gemma 4 of the E2B/E4B layout (per-layer inputs, KV-shared layers, causal attention
+    over image tokens) with its vision tower and projector."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    path = Path(path)
+    ids = _write_vlm_tokenizer(path, GEMMA4_TOKENS, GEMMA4_TOKENS["image_token"])
+    text = copy.deepcopy(TINY_CONFIGS["gemma4"]["text_config"])
+    text.update(vocab_size=ids["vocab_size"], vocab_size_per_layer_input=ids["vocab_size"], pad_token_id=0)
+    config = Gemma4Config(
+        text_config=text,
+        vision_config=dict(GEMMA4_VISION),
+        audio_config=None,
+        image_token_id=ids["image_token"],
+        boi_token_id=ids["boi_token"],
+        eoi_token_id=ids["eoi_token"],
+        audio_token_id=ids["audio_token"],
+        video_token_id=ids["video_token"],
+        initializer_range=INIT_STD,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(config)
+    _sharpen(model, seed)
+    model.save_pretrained(path)
+    # The config as the hub's checkpoints write it: transformers 5 saves the full layers'
+    # head size as per_layer_config, mlx-lm reads global_head_dim; and mlx-lm reads the
+    # vocabulary size at the top level (its default is the real 262144).
+    saved = json.loads((path / "config.json").read_text())["text_config"]
+    saved.pop("per_layer_config", None)
+    _update_config(path, vocab_size=ids["vocab_size"], text_config={**saved, **text})
+    processor = {
+        "image_processor_type": "Gemma4ImageProcessor",
+        "processor_class": "Gemma4Processor",
+        "patch_size": GEMMA4_VISION["patch_size"],
+        "pooling_kernel_size": GEMMA4_VISION["pooling_kernel_size"],
+        "max_soft_tokens": GEMMA4_MAX_SOFT_TOKENS,
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": False,
+        "do_convert_rgb": True,
+        "resample": 3,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    return path
+
+
+def make_tiny_vlm(path: Path, name: str, seed: int = 0) -> Path:
+    makers = {"gemma4_vlm": make_tiny_gemma4_vlm}
+    return makers[name](path, seed)
+
+
+def gemma4_reference(path: Path, question: str, image: Any, steps: int = 1) -> tuple[list[int], list[list[float]]]:
+    """transformers' own processing and forward for one user turn of an image then
+    `question`: the prompt token ids, and the log-probabilities at each of `steps` greedy
+    steps (full forwards, no cache). Processing: transformers' Gemma 4 image processor
+    (the PIL one) and the placeholder expanded as Gemma4Processor expands it."""
+    import torch
+    from transformers import AutoTokenizer, Gemma4ForConditionalGeneration
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    saved = json.loads((Path(path) / "preprocessor_config.json").read_text())
+    processor = Gemma4ImageProcessorPil(
+        patch_size=saved["patch_size"],
+        pooling_kernel_size=saved["pooling_kernel_size"],
+        max_soft_tokens=saved["max_soft_tokens"],
+    )
+    pixels = processor(images=[image], return_tensors="pt")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    content = [{"type": "image"}, {"type": "text", "text": question}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    run = GEMMA4_TOKENS["image_token"] * int(pixels["num_soft_tokens_per_image"][0])
+    text = text.replace(GEMMA4_TOKENS["image_token"], GEMMA4_TOKENS["boi_token"] + run + GEMMA4_TOKENS["eoi_token"])
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    model = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    tokens, steps_logprobs = list(ids), []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(
+                input_ids=torch.tensor([tokens]),
+                pixel_values=pixels["pixel_values"],
+                image_position_ids=pixels["image_position_ids"],
+            ).logits[0, -1]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            steps_logprobs.append(logprobs.tolist())
+            tokens.append(int(logprobs.argmax()))
+    return ids, steps_logprobs

@@ -1,0 +1,201 @@
+"""Images into a model's prompt: mlx-vlm's vision tower, projector and image processor
+beside exo's (mlx-lm's) language model.
+
+A prompt with images is expanded the way the family's processor expands it (each image's
+placeholder becomes its run of soft tokens), the tower encodes each image apart (images of
+different sizes make different runs), and prefill feeds the language model embeddings in
+which each run's positions carry the image's features instead of the token's embedding.
+Only prefill sees image positions: the chat template ends with the generation prompt.
+
+Gemma 4 needs three things mlx-vlm's whole model does and a bare language model does not:
+the features divided by the text embedding scale (the language model multiplies its input
+by it), image positions looked up as the pad token in the per-layer embedding table
+(E2B/E4B), and the projector (`embed_vision`) applied to the pooled tower output."""
+
+import io
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_vlm.models.gemma4.config import VisionConfig as Gemma4VisionConfig
+from mlx_vlm.models.gemma4.gemma4 import MultimodalEmbedder
+from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor
+from mlx_vlm.models.gemma4.vision import VisionModel as Gemma4VisionModel
+from PIL import Image
+
+from exo.shared.models.vision import vision_runs
+from exo.shared.types.text_generation import TextGenerationTaskParams, image_hashes_in_order
+
+Features = Callable[[Image.Image], mx.array]
+
+
+@dataclass
+class ImageRun:
+    """One image's soft tokens: where they start in the prompt and what they carry."""
+
+    start: int
+    features: mx.array  # (tokens, hidden), ready to stand in for token embeddings
+    sha256: str
+
+    @property
+    def end(self) -> int:
+        return self.start + self.features.shape[0]
+
+
+@dataclass
+class VisionPrompt:
+    tokens: list[int]
+    runs: list[ImageRun]
+    # The prompt as the prefix cache keys it: each image's run holds a number drawn
+    # from the image's hash instead of the image token, so a different image is a miss.
+    key: list[int]
+
+
+class VisionEncoder:
+    """The vision side of one loaded model."""
+
+    def __init__(
+        self, config: dict[str, Any], tower: nn.Module, projector: nn.Module, processor: Any, dtype: mx.Dtype
+    ) -> None:
+        self.image_token_id = int(config["image_token_id"])
+        self.boi_token_id = config.get("boi_token_id")
+        self.eoi_token_id = config.get("eoi_token_id")
+        self.pad_token_id = int(config.get("text_config", {}).get("pad_token_id") or 0)
+        self.tower = tower
+        self.projector = projector
+        self.processor = processor
+        self.dtype = dtype  # what the tower takes its pixels in
+        self.embed_scale = 1.0
+
+    def bind(self, inner: Any) -> None:
+        """Takes the language model's embedding scale (Gemma multiplies its inputs by it)."""
+        self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
+
+    def encode(self, image: Image.Image) -> mx.array:
+        """One image's soft-token features, (tokens, text hidden)."""
+        batch, counts = self.processor(images=[image], return_tensors="np")
+        pixels = mx.array(np.asarray(batch["pixel_values"][0]))[None]
+        projected = self.projector(self.tower(pixels.astype(self.dtype)))
+        features = projected.reshape(-1, projected.shape[-1])
+        if features.shape[0] != counts[0]:
+            raise ValueError(f"the vision tower gave {features.shape[0]} soft tokens, the processor {counts[0]}")
+        return features / self.embed_scale
+
+    def prepare(self, prompt: list[int], images: list[tuple[str, bytes]]) -> VisionPrompt:
+        """Expands each image placeholder of `prompt` (in order) into its run of soft tokens."""
+        places = [i for i, token in enumerate(prompt) if token == self.image_token_id]
+        if len(places) != len(images):
+            raise ValueError(f"the chat template placed {len(places)} images, the request has {len(images)}")
+        tokens: list[int] = []
+        key: list[int] = []
+        runs: list[ImageRun] = []
+        last = 0
+        for place, (sha256, data) in zip(places, images, strict=True):
+            tokens += prompt[last:place]
+            key += prompt[last:place]
+            features = self.encode(Image.open(io.BytesIO(data)))
+            if self.boi_token_id is not None:
+                tokens.append(int(self.boi_token_id))
+                key.append(int(self.boi_token_id))
+            runs.append(ImageRun(start=len(tokens), features=features, sha256=sha256))
+            count = features.shape[0]
+            tokens += [self.image_token_id] * count
+            key += [_hash_token(sha256)] * count
+            if self.eoi_token_id is not None:
+                tokens.append(int(self.eoi_token_id))
+                key.append(int(self.eoi_token_id))
+            last = place + 1
+        tokens += prompt[last:]
+        key += prompt[last:]
+        return VisionPrompt(tokens=tokens, runs=runs, key=key)
+
+    def chunk_inputs(self, inner: Any, prompt: VisionPrompt, start: int, end: int) -> dict[str, mx.array]:
+        """The language model's inputs for prompt positions [start, end): token ids with
+        image positions as the pad token (what the per-layer table reads), and embeddings
+        with each image's features spliced in where its run overlaps the chunk."""
+        ids = [self.pad_token_id if t == self.image_token_id else t for t in prompt.tokens[start:end]]
+        id_array = mx.array(ids)[None]
+        text = inner.embed_tokens(id_array)
+        pieces: list[mx.array] = []
+        at = start
+        for run in prompt.runs:
+            lo, hi = max(run.start, start), min(run.end, end)
+            if lo >= hi:
+                continue
+            pieces.append(text[:, at - start : lo - start])
+            pieces.append(run.features[lo - run.start : hi - run.start][None].astype(text.dtype))
+            at = hi
+        pieces.append(text[:, at - start :])
+        return {"inputs": id_array, "input_embeddings": mx.concatenate(pieces, axis=1)}
+
+
+def _hash_token(sha256: str) -> int:
+    # Negative, so it is never a real token id.
+    return -1 - int(sha256[:15], 16)
+
+
+def images_of(params: TextGenerationTaskParams) -> list[tuple[str, bytes]]:
+    """The request's images in the order its messages show them, as (sha256, bytes)."""
+    by_hash = {image.sha256: image for image in params.images}
+    return [(sha, by_hash[sha].data) for sha in image_hashes_in_order(params)]
+
+
+def _weights(model_dir: Path, prefixes: tuple[str, ...]) -> dict[str, mx.array]:
+    found: dict[str, mx.array] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        loaded = cast(dict[str, mx.array], mx.load(str(file)))
+        for name, value in loaded.items():
+            for prefix in prefixes:
+                if name.startswith(prefix):
+                    found[name[len(prefix) :]] = value
+                    break
+    return found
+
+
+def _load_into(module: nn.Module, weights: dict[str, mx.array], config: dict[str, Any]) -> None:
+    """Quantised checkpoints ship linears as packed weights with scales and biases."""
+    quantization = config.get("quantization")
+    if quantization and any(name.endswith(".scales") for name in weights):
+        nn.quantize(
+            module,
+            group_size=int(quantization.get("group_size", 64)),
+            bits=int(quantization.get("bits", 4)),
+            class_predicate=lambda path, _m: f"{path}.scales" in weights,
+        )
+    module.load_weights(list(weights.items()))
+    mx.eval(module.parameters())
+
+
+def _gemma4(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
+    vision_config = Gemma4VisionConfig.from_dict(config["vision_config"])
+    tower = Gemma4VisionModel(vision_config)
+    projector = MultimodalEmbedder(
+        embedding_dim=vision_config.hidden_size,
+        text_hidden_size=int(config["text_config"]["hidden_size"]),
+        eps=vision_config.rms_norm_eps,
+    )
+    tower_weights = _weights(model_dir, ("model.vision_tower.", "vision_tower."))
+    if not vision_config.use_clipped_linears:
+        tower_weights = {k: v for k, v in tower_weights.items() if not k.endswith(("_min", "_max"))}
+    _load_into(tower, tower_weights, config)
+    dtype = tower.patch_embedder.input_proj.weight.dtype
+    _load_into(projector, _weights(model_dir, ("model.embed_vision.", "embed_vision.")), config)
+    processor = Gemma4ImageProcessor.from_pretrained(str(model_dir))
+    return VisionEncoder(config, tower, projector, processor, dtype)
+
+
+# Per config model_type (shared/models/vision.py lists them): how to build the vision side.
+_FAMILIES: dict[str, Callable[[Path, dict[str, Any]], VisionEncoder]] = {"gemma4": _gemma4}
+
+
+def load_vision(model_dir: Path) -> VisionEncoder | None:
+    """The model's vision side, or None for a model without one (or one exo cannot run)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if not vision_runs(config):
+        return None
+    return _FAMILIES[config["model_type"]](model_dir, config)
