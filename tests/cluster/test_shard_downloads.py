@@ -155,8 +155,9 @@ def test_with_the_hub_stopped_a_node_takes_the_files_it_lacks_from_its_peer(fake
 
 
 def test_three_nodes_with_the_hub_stopped_after_one_has_the_model(fake_hub: FakeHub, tmp_path: Path) -> None:
-    """One node downloads the whole model (POST /download/start, no instance); the hub
-    stops; a 3-way pipeline places, and the other two take their layers from that node."""
+    """One node downloads the whole model (POST /download/start through another node's
+    API, no instance); the hub stops; a 3-way pipeline places, and the other two take
+    their layers from that node. Then a third node's API deletes the holder's files."""
     endpoint, root = fake_hub
     weight_map = make_layered_model(root / "acme--layered")
     source = {f.name: f.read_bytes() for f in (root / "acme--layered").iterdir()}
@@ -164,7 +165,8 @@ def test_three_nodes_with_the_hub_stopped_after_one_has_the_model(fake_hub: Fake
     with cluster_with_the_model(3, endpoint, tmp_path) as nodes:
         holder = nodes[0]
         holder_id = holder.node_id()
-        assert holder.post("/download/start", json={"model_id": MODEL_ID}).status_code == 200
+        started = nodes[1].post("/download/start", json={"model_id": MODEL_ID, "node_id": holder_id})
+        assert started.status_code == 200, started.text
         holder.wait_for_state(
             lambda s: s["downloads"].get(holder_id, {}).get(MODEL_ID, {}).get("kind") == "DownloadCompleted",
             timeout=60,
@@ -189,3 +191,12 @@ def test_three_nodes_with_the_hub_stopped_after_one_has_the_model(fake_hub: Fake
         assert answers(nodes[1])
         print(f"3 nodes, hub stopped after one: hub bytes / model size = {hub_bytes / model_bytes:.3f}")
         assert hub_bytes / model_bytes < 1.1
+
+        in_use = nodes[2].delete(f"/download/{holder_id}/{MODEL_ID}")
+        assert in_use.status_code == 409 and in_use.json()["error"]["code"] == "model_in_use", in_use.text
+        assert nodes[2].delete(f"/instance/{instance_id}").status_code == 200
+        nodes[2].wait_for_state(lambda s: s["instances"] == {}, timeout=30, what="instance gone")
+        assert nodes[2].delete(f"/download/{holder_id}/{MODEL_ID}").status_code == 200
+        holder.wait_for_state(lambda s: MODEL_ID not in s["downloads"].get(holder_id, {}), timeout=30, what="deleted")
+        assert not list((holder.home / "models").rglob("*.safetensors"))
+        assert list((nodes[1].home / "models").rglob("*.safetensors")), "another node's files went too"

@@ -51,6 +51,9 @@ def test_start_downloads_a_model_without_a_record_once():
     assert plan(NODE, ordered("start", DownloadCompleted(total_bytes=1, path="/m")), {}, NOW) is None
     # Left by an earlier run of this node: started again, resuming.
     assert plan(NODE, ordered("start", ONGOING), {}, NOW) == StartModelDownload(MODEL)
+    # Only some layers' files (a pipeline rank's): the rest is fetched.
+    some_layers = DownloadCompleted(total_bytes=1, path="/m", layers=(0, 3))
+    assert plan(NODE, ordered("start", some_layers), {}, NOW) == StartModelDownload(MODEL)
 
 
 def test_cancel_stops_only_a_running_download():

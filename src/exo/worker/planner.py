@@ -139,10 +139,12 @@ def _plan_download_orders(node_id: NodeId, state: State, downloading: frozenset[
         if instance_using_files(state, node_id, model_id) is not None:
             continue
         record = state.downloads.get(node_id, {}).get(model_id)
-        stale = record is None or download_running(state, node_id, model_id)
-        if order == "start" and model_id not in downloading and stale:
-            # No record (or a failed one the order dropped), or one left by an earlier
-            # run of this node that stopped mid-download.
+        some_layers = isinstance(record, DownloadCompleted) and record.layers is not None
+        to_fetch = record is None or some_layers or download_running(state, node_id, model_id)
+        if order == "start" and model_id not in downloading and to_fetch:
+            # No record (or a failed one the order dropped), the files of a pipeline
+            # rank's layers only, or a record left by an earlier run of this node that
+            # stopped mid-download.
             return StartModelDownload(model_id)
         if order == "cancel" and download_running(state, node_id, model_id):
             return CancelModelDownload(model_id)
