@@ -3,8 +3,11 @@ POST /download/start with no instance, progress with speed and ETA in /state and
 node's console, POST /download/cancel keeping the verified bytes, a resume, DELETE
 /download/{node}/{model}, the 4xx answers, and GET /models/search online and offline."""
 
+import json
 import shutil
+import subprocess
 import time
+from importlib.resources import files
 from pathlib import Path
 
 from exo.devtools.tiny_models import make_tiny_llama
@@ -26,6 +29,21 @@ def wait_record(node: ExoNode, node_id: str, model_id: str, condition, what: str
         lambda s: condition(s["downloads"].get(node_id, {}).get(model_id)), timeout=60, what=what
     )
     return state["downloads"][node_id][model_id]
+
+
+def dashboard_rows(state: dict) -> list[dict]:
+    """What the dashboard's download list shows for this State (view.mjs run in Node)."""
+    view = Path(str(files("exo") / "resources" / "dashboard" / "view.mjs"))
+    script = (
+        f"const view = await import({json.dumps(view.as_uri())});"
+        "let input = ''; for await (const chunk of process.stdin) input += chunk;"
+        "console.log(JSON.stringify(view.downloadRows(JSON.parse(input))));"
+    )
+    shown = subprocess.run(
+        ["node", "--input-type=module", "-e", script], input=json.dumps(state), capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    return json.loads(shown.stdout)
 
 
 def error_code(response) -> str:
@@ -71,6 +89,8 @@ def test_start_cancel_resume_and_delete_a_download(fake_hub: FakeHub, tmp_path: 
             "download under way",
         )
         assert ongoing["etaSeconds"] is not None and 0 < ongoing["etaSeconds"] < 60, ongoing
+        [row] = dashboard_rows(node.state())
+        assert row["modelId"] == SHARDED and row["text"].endswith(" s left") and 0 < row["fraction"] < 1, row
         assert ongoing["totalBytes"] == model_bytes
         assert node.state()["instances"] == {}
         deadline = time.monotonic() + 10
@@ -84,6 +104,8 @@ def test_start_cancel_resume_and_delete_a_download(fake_hub: FakeHub, tmp_path: 
         assert cancelled.status_code == 200, cancelled.text
         kept = wait_record(node, node_id, SHARDED, lambda r: r and r["kind"] == "DownloadCancelled", "cancelled")
         assert kept["downloadedBytes"] > 4 * MB, kept
+        [row] = dashboard_rows(node.state())
+        assert row["text"].startswith("cancelled, ") and row["text"].endswith(" kept"), row
         (partial,) = home.rglob(f"{BIG_SHARD}.partial")
         held = partial.stat().st_size
         assert held > 2 * MB

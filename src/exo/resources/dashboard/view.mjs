@@ -122,7 +122,11 @@ export function downloadRows(state) {
       if (progress.kind === "DownloadOngoing") {
         fraction = progress.totalBytes > 0 ? progress.downloadedBytes / progress.totalBytes : 0;
         const rate = `${formatBytes(progress.bytesPerSecond)}/s`;
-        text = `${formatBytes(progress.downloadedBytes)} of ${formatBytes(progress.totalBytes)}, ${rate}`;
+        const eta = progress.etaSeconds == null ? "" : `, ${Math.round(progress.etaSeconds)} s left`;
+        text = `${formatBytes(progress.downloadedBytes)} of ${formatBytes(progress.totalBytes)}, ${rate}${eta}`;
+      } else if (progress.kind === "DownloadCancelled") {
+        fraction = progress.totalBytes > 0 ? progress.downloadedBytes / progress.totalBytes : 0;
+        text = `cancelled, ${formatBytes(progress.downloadedBytes)} of ${formatBytes(progress.totalBytes)} kept`;
       } else if (progress.kind === "DownloadFailed") {
         text = `Failed: ${progress.errorMessage}`;
       } else if (progress.kind === "DownloadCompleted") {
