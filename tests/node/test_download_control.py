@@ -5,6 +5,7 @@ node's console, POST /download/cancel keeping the verified bytes, a resume, DELE
 
 import json
 import shutil
+import signal
 import subprocess
 import time
 from importlib.resources import files
@@ -174,3 +175,38 @@ def test_model_search_proxies_the_hub_and_says_when_it_cannot(fake_hub: FakeHub,
     finally:
         stop_node(node)
         stop_node(offline)
+
+
+def test_a_started_download_resumes_by_itself_after_the_node_is_killed(fake_hub: FakeHub, tmp_path: Path) -> None:
+    endpoint, root = fake_hub
+    make_sharded_model(root / "acme--sharded", big_shard_bytes=24 * MB)
+    model_bytes = sum(len(b) for name, b in dir_bytes(root / "acme--sharded").items() if "consolidated" not in name)
+    home = tmp_path / "home"
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    node = start_node(home, env)
+    try:
+        node_id = node.node_id()
+        node.wait_for_state(lambda s: node_id in s["nodes"], what="node info")
+        assert node.post("/models/add", json={"model_id": SHARDED}).status_code == 200
+        fake_hub.throttle_bytes_per_second = 8 * MB
+        assert node.post("/download/start", json={"model_id": SHARDED}).status_code == 200
+        wait_record(
+            node,
+            node_id,
+            SHARDED,
+            lambda r: r and r["kind"] == "DownloadOngoing" and r["downloadedBytes"] > 8 * MB,
+            "half",
+        )
+        node.process.send_signal(signal.SIGKILL)
+        node.process.wait()
+        fake_hub.throttle_bytes_per_second = None
+
+        node = start_node(home, env)
+        done = wait_record(node, node_id, SHARDED, lambda r: r and r["kind"] == "DownloadCompleted", "resumed, done")
+        assert (Path(done["path"]) / BIG_SHARD).read_bytes() == (root / "acme--sharded" / BIG_SHARD).read_bytes()
+        ratio = fake_hub.body_bytes_sent / model_bytes
+        print(f"/download/start, kill -9 mid-file, restart: hub bytes / model = {ratio:.3f}")
+        assert ratio < 1.2, ratio
+    finally:
+        stop_node(node)
+        shutil.rmtree(home, ignore_errors=True)
