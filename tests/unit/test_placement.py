@@ -16,6 +16,7 @@ from exo.master.placement import (
     kv_cache_bytes,
     place_instance,
     split_layers,
+    with_free_ring_ports,
 )
 from exo.shared.models.model_cards import (
     ModelCard,
@@ -738,3 +739,28 @@ def test_hand_built_instances_that_cannot_run_are_explained():
     assert "every rank all 24 layers" in instance_problem(state, with_shards(tensor, r1={"start_layer": 1}))
     assert "ranks must be 0..1" in instance_problem(state, with_shards(pipeline, r1={"world_size": 3}))
     assert "one host:port per rank" in instance_problem(state, pipeline.model_copy(update={"hosts": []}))
+
+
+def test_the_master_moves_ports_of_placements_made_at_once_from_one_state():
+    # Two place requests at the same moment are placed from the same State, so both pick
+    # the same ports; the master renumbers the second against the first.
+    card = make_card(weights_gib=30)
+    state = two_nodes_reached_at(b_ip="127.0.0.1", a_ip="127.0.0.1")
+    first, second = place_instance(state, card), place_instance(state, card)
+    assert first.hosts == second.hosts
+    assert with_free_ring_ports(state, first) == first
+    state = state.model_copy(update={"instances": {first.instance_id: first}})
+
+    moved = with_free_ring_ports(state, second)
+
+    assert [host.split(":")[0] for host in moved.hosts] == ["127.0.0.1", "127.0.0.1"]
+    assert set(moved.hosts).isdisjoint(first.hosts) and len(set(moved.hosts)) == 2
+    assert moved.shard_assignments == second.shard_assignments
+
+
+def test_a_hand_built_instance_with_a_port_that_is_no_number_is_refused():
+    card = make_card(weights_gib=30)
+    state = two_nodes_reached_at(b_ip="192.168.1.2", a_ip="192.168.1.1")
+    instance = place_instance(state, card)
+    broken = instance.model_copy(update={"hosts": ["192.168.1.1:ring", "192.168.1.2:31001"]})
+    assert instance_problem(state, broken) == "every entry of hosts must be host:port with a numeric port"

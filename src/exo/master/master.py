@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from loguru import logger
 
-from exo.master.placement import PlacementError, instance_problem, place_instance
+from exo.master.placement import PlacementError, instance_problem, place_instance, with_free_ring_ports
 from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
 from exo.shared.queries import download_running, has_task_for, instance_using_files, least_loaded_instance
@@ -164,7 +164,7 @@ class Master:
                 if (problem := instance_problem(self.state, instance)) is not None:
                     logger.warning(f"not creating instance {instance.instance_id}: {problem}")
                 else:
-                    self.emit(InstanceCreated(instance=instance))
+                    self.emit(InstanceCreated(instance=with_free_ring_ports(self.state, instance)))
             case DeleteInstance(instance_id=instance_id, reason=reason):
                 self._delete_instance(instance_id, reason)
             case TextGeneration(command_id=command_id, params=params):

@@ -377,15 +377,31 @@ def _ring_hosts(state: State, links: Links, ring: list[NodeId]) -> list[str]:
     collide."""
     if len(ring) == 1:
         return []
+    ips = [links[(ring[rank - 1], ring[rank])].sink_ip for rank in range(len(ring))]
+    return _with_ports(ips, _ring_ports(state, len(ring)))
+
+
+def _ring_ports(state: State, count: int) -> list[int]:
     # Start where the event log stands, so an instance placed right after another was
     # deleted does not reuse its ports while the old ranks may still hold them.
     first = (max(state.last_event_applied_idx, 0) * 7) % RING_PORT_SPAN
-    ports = _free_ports(_used_ports(state.instances.values()), len(ring), first)
-    hosts = []
-    for rank, port in enumerate(ports):
-        ip = links[(ring[rank - 1], ring[rank])].sink_ip
-        hosts.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
-    return hosts
+    return _free_ports(_used_ports(state.instances.values()), count, first)
+
+
+def _with_ports(ips: list[str], ports: list[int]) -> list[str]:
+    return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip, port in zip(ips, ports, strict=True)]
+
+
+def with_free_ring_ports(state: State, instance: Instance) -> Instance:
+    """`instance`, its ring ports moved where they would clash with an instance in
+    `state`. Placements made at the same moment from one State (two place requests at
+    once, on one node or two) pick the same ports, and two rings listening on one port
+    cross-connect and hang; the master, which sees every instance, moves the later one."""
+    ports = [int(host.rsplit(":", 1)[1]) for host in instance.hosts]
+    if not ports or (len(set(ports)) == len(ports) and _used_ports(state.instances.values()).isdisjoint(ports)):
+        return instance
+    ips = [host.rsplit(":", 1)[0].strip("[]") for host in instance.hosts]
+    return instance.model_copy(update={"hosts": _with_ports(ips, _ring_ports(state, len(ports)))})
 
 
 def _used_ports(instances: Iterable[Instance]) -> set[int]:
@@ -473,4 +489,6 @@ def instance_problem(state: State, instance: Instance) -> str | None:
         return f"pipeline ranks must cover layers 0..{n_layers - 1} in order, without gaps or overlaps"
     if len(shards) > 1 and len(instance.hosts) != len(shards):
         return f"a {len(shards)}-rank instance needs one host:port per rank in hosts"
+    if any(not host.rpartition(":")[2].isdigit() for host in instance.hosts):
+        return "every entry of hosts must be host:port with a numeric port"
     return None
