@@ -9,7 +9,12 @@ from pathlib import Path
 
 from loguru import logger
 
-from exo.node import Node, NodeConfig
+# exo uses transformers for tokenizers only, and transformers imports torch whenever it is
+# installed (a test or dev environment): seconds of start-up and ~300 MB per process.
+sys.modules.setdefault("torch", None)  # type: ignore[assignment]
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found"
+
+from exo.node import Node, NodeConfig  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

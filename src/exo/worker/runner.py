@@ -174,6 +174,9 @@ def runner_main(conn: Connection, runner_id: RunnerId, instance: Instance, verbo
     _exit_when_orphaned()
     logger.remove()
     logger.add(sys.stderr, level="DEBUG" if verbose else "INFO", format=f"runner {runner_id[:8]} | {{message}}")
+    # The MLX engine uses transformers for tokenizers only; keep torch (which transformers
+    # imports whenever it is installed) out: ~3 s of CPU per runner start.
+    sys.modules.setdefault("torch", None)  # type: ignore[assignment]
     from exo.engine.mlx.engine import MlxEngine  # MLX is imported only in runners
 
     runner = Runner(conn, runner_id, instance, MlxEngine())
