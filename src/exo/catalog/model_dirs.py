@@ -65,6 +65,11 @@ def partial_model_dir(models_dir: Path, model_id: str) -> Path:
     return models_dir / PARTIAL_DIR_NAME / f"{model_dir_name(model_id)}.partial"
 
 
+def download_free_bytes(exo_home: Path) -> int:
+    """Free bytes in the roomiest writable models dir: the most a download can take."""
+    return max((_free_bytes(d) or 0 for d in models_dirs(exo_home)), default=0)
+
+
 def download_dir(exo_home: Path, model_id: str) -> Path:
     """The writable models dir a download of the model goes to: one already holding part
     of it (so it resumes there), else the one with the most free space (the first listed

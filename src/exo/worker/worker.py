@@ -15,6 +15,7 @@ from loguru import logger
 
 from exo.catalog.model_dirs import (
     download_dir,
+    download_free_bytes,
     find_local_model_dir,
     is_complete_model_dir,
     is_read_only_path,
@@ -405,7 +406,7 @@ def gather_node_info(node_id: NodeId, exo_home: Path, api_port: int) -> NodeInfo
         backend="metal" if is_apple_silicon else "cpu",
         cpu_count=psutil.cpu_count() or 1,
         memory=MemoryInfo(total_bytes=memory.total, available_bytes=memory.available),
-        disk_available_bytes=psutil.disk_usage(str(exo_home)).free,
+        disk_available_bytes=download_free_bytes(exo_home),
         api_port=api_port,
         interfaces=local_interfaces(),
     )
