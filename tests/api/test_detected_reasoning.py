@@ -2,8 +2,9 @@
 DeepSeek-R1-Distill-Llama's does), so the family table knows no think markers; only the
 tokenizer's `<think>`/`</think>` tokens tell. Its reasoning must still come back apart from
 the answer in every API, streamed and not: OpenAI's reasoning_content, the Responses
-API's reasoning item, Claude's thinking blocks and Ollama's `thinking`. A real node serves
-a scripted model (the official SDKs are the clients)."""
+API's reasoning item, Claude's thinking blocks and Ollama's `thinking`; and Ollama's
+`show` lists the "thinking" capability for it (and not for a plain llama beside it). A
+real node serves a scripted model (the official SDKs are the clients)."""
 
 import json
 from collections.abc import Iterator
@@ -14,9 +15,11 @@ import openai
 import pytest
 
 from exo.devtools.scripted_models import make_scripted_model
+from exo.devtools.tiny_models import make_tiny_llama
 from tests.support.node import ExoNode, running_node
 
 MODEL = "scripted/r1-distill-llama"
+PLAIN_MODEL = "acme/plain-llama"
 # The template's generation prompt ends in "<think>\n": the output starts inside the block.
 SCRIPT = ("Okay, the user wants", " the weather in Paris.\n", "</think>", "\n\nIt is", " sunny in Paris.")
 REASONING = "Okay, the user wants the weather in Paris.\n"
@@ -29,6 +32,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ExoNode]:
     models_dir = tmp_path_factory.mktemp("models")
     model_dir = make_scripted_model(models_dir / MODEL.replace("/", "--"), "r1_distill_llama", SCRIPT)
     assert json.loads((model_dir / "config.json").read_text())["model_type"] == "llama"
+    make_tiny_llama(models_dir / PLAIN_MODEL.replace("/", "--"))
     with running_node(tmp_path_factory.mktemp("exo_home"), {"EXO_MODELS_DIRS": str(models_dir)}, models=[MODEL]) as exo:
         yield exo
 
@@ -119,3 +123,9 @@ def test_ollama_chat_streamed(node: ExoNode) -> None:
         thinking += part.message.thinking or ""
         content += part.message.content or ""
     assert (thinking, content) == (REASONING, CONTENT)
+
+
+def test_ollama_show_lists_thinking_where_the_tokenizer_has_think_tokens(node: ExoNode) -> None:
+    client = ollama.Client(host=f"{node.url}/ollama")
+    assert "thinking" in (client.show(MODEL).capabilities or [])
+    assert "thinking" not in (client.show(PLAIN_MODEL).capabilities or [])

@@ -18,6 +18,7 @@ from exo.api.adapters.ollama import (
     now,
     show_body,
 )
+from exo.api.checks import model_think_markers
 from exo.api.generation import respond
 from exo.api.listing import servable_cards
 from exo.api.placing import AutoPlacerDep, card_or_404
@@ -66,7 +67,8 @@ class ShowRequest(BaseModel):
 
 @router.post("/show")
 def show(cluster: ClusterDep, body: ShowRequest) -> dict[str, Any]:
-    return show_body(card_or_404(cluster, _model_name(cluster, body.model)))
+    card = card_or_404(cluster, _model_name(cluster, body.model))
+    return show_body(card, thinks=model_think_markers(cluster, card.model_id) is not None)
 
 
 @router.get("/ps")

@@ -4,6 +4,7 @@ The engine builds it once per request from the model's family and the request's 
 the reasoning parser splits thinking off first, and only the answer text goes on to the
 tool-call parser, so a call the model merely thinks about is never run."""
 
+from collections.abc import Container
 from typing import Any
 
 from exo.engine.parsing.base import Parsed, StreamParser
@@ -21,6 +22,29 @@ def think_markers_for(model_type: str, detected: tuple[str, str] | None = None) 
     the like in the vocabulary), so a thinking model of an ordinary architecture
     (DeepSeek-R1-Distill-Llama is `llama`, QwQ `qwen2`) has its reasoning split too."""
     return family_facts(model_type).think_markers or detected
+
+
+# The single-token pairs mlx-lm's TokenizerWrapper looks for, in its order
+# (tokenizer_utils._infer_thinking).
+_THINK_TOKEN_PAIRS = (
+    ("<think>", "</think>"),
+    ("<longcat_think>", "</longcat_think>"),
+    ("<|think:start|>", "<|think:end|>"),
+)
+
+
+def vocabulary_think_markers(vocab: Container[str]) -> tuple[str, str] | None:
+    """The think markers mlx-lm's TokenizerWrapper detects in a vocabulary (its
+    `think_start` / `think_end`, which the engine reads), by the same rules but without
+    MLX, so the API process can tell from a tokenizer file what the engine will split."""
+    for start, end in _THINK_TOKEN_PAIRS:
+        if start in vocab and end in vocab:
+            return start, end
+    if "<|channel>" in vocab and "<channel|>" in vocab:
+        return "<|channel>thought", "<channel|>"
+    if all(token in vocab for token in ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")):
+        return "<|open|>think<|sep|>", "<|close|>think<|sep|>"
+    return None
 
 
 class _TemplateOnly:
