@@ -49,14 +49,22 @@ def is_read_only_path(path: Path) -> bool:
     return any(resolved.is_relative_to(_resolved(d)) for d in read_only_models_dirs())
 
 
-def _free_bytes(path: Path) -> int | None:
-    """Free bytes on the disk `path` is (or would be created) on; None if not writable."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not os.access(existing, os.W_OK):
-        return None
-    return shutil.disk_usage(existing).free
+def _free_bytes(dirs: list[Path]) -> dict[Path, int]:
+    """Free bytes on the disk each dir is (or would be created) on, for the writable
+    ones. One reading per disk, so dirs sharing a disk tie exactly (two readings of a busy
+    disk differ by whatever was written in between)."""
+    per_device: dict[int, int] = {}
+    free = {}
+    for path in dirs:
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if os.access(existing, os.W_OK):
+            device = existing.stat().st_dev
+            if device not in per_device:
+                per_device[device] = shutil.disk_usage(existing).free
+            free[path] = per_device[device]
+    return free
 
 
 def partial_model_dir(models_dir: Path, model_id: str) -> Path:
@@ -67,7 +75,7 @@ def partial_model_dir(models_dir: Path, model_id: str) -> Path:
 
 def download_free_bytes(exo_home: Path) -> int:
     """Free bytes in the roomiest writable models dir: the most a download can take."""
-    return max((_free_bytes(d) or 0 for d in models_dirs(exo_home)), default=0)
+    return max(_free_bytes(models_dirs(exo_home)).values(), default=0)
 
 
 def download_dir(exo_home: Path, model_id: str) -> Path:
@@ -78,11 +86,10 @@ def download_dir(exo_home: Path, model_id: str) -> Path:
     for candidate in candidates:
         if partial_model_dir(candidate, model_id).is_dir():
             return candidate
-    free = {candidate: _free_bytes(candidate) for candidate in candidates}
-    writable = [candidate for candidate in candidates if free[candidate] is not None]
-    if not writable:
+    free = _free_bytes(candidates)
+    if not free:
         return candidates[0]  # the download reports why it cannot write there
-    return max(writable, key=lambda candidate: free[candidate] or 0)
+    return max(free, key=lambda candidate: free[candidate])  # dicts keep order: the first wins a tie
 
 
 def model_dir_name(model_id: str) -> str:
