@@ -43,13 +43,23 @@ def test_each_endpoint_sends_its_command_for_the_node_asked_or_this_one():
         record(cluster, "node-b", DownloadOngoing(downloaded_bytes=1, total_bytes=9))
         assert (await client.post("/download/cancel", json={"model_id": MODEL, "node_id": "node-b"})).status_code == 200
         assert (await client.delete(f"/download/node-b/{MODEL}")).status_code == 200
+        # Upstream exo's shapes: a shard's metadata naming the model, camelCase node id.
+        upstream = {"targetNodeId": "node-b", "shardMetadata": {"modelCard": {"modelId": MODEL}, "startLayer": 0}}
+        assert (await client.post("/download/start", json=upstream)).status_code == 200
+        record(cluster, "node-b", DownloadOngoing(downloaded_bytes=1, total_bytes=9))
+        cancel = {"targetNodeId": "node-b", "modelId": MODEL}
+        assert (await client.post("/download/cancel", json=cancel)).status_code == 200
+        no_model = {"targetNodeId": "node-b", "shardMetadata": {"startLayer": 0}}
+        assert (await client.post("/download/start", json=no_model)).status_code in (400, 422)
 
     cluster = run(test)
-    assert [(type(c), c.node_id) for c in cluster.commands] == [
-        (StartDownload, "node-a"),
-        (StartDownload, "node-b"),
-        (CancelDownload, "node-b"),
-        (DeleteDownload, "node-b"),
+    assert [(type(c), c.node_id, c.model_id) for c in cluster.commands] == [
+        (StartDownload, "node-a", MODEL),
+        (StartDownload, "node-b", MODEL),
+        (CancelDownload, "node-b", MODEL),
+        (DeleteDownload, "node-b", MODEL),
+        (StartDownload, "node-b", MODEL),
+        (CancelDownload, "node-b", MODEL),
     ]
 
 

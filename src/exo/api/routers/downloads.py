@@ -4,9 +4,10 @@ files of a model; and the hub's model search. Each command goes to the master, w
 orders the node's worker through State (`download_orders`)."""
 
 import asyncio
+from typing import Any
 
 from fastapi import APIRouter, Query
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from exo.api.errors import ApiError
 from exo.api.placing import card_or_404
@@ -21,10 +22,29 @@ router = APIRouter()
 
 
 class DownloadRequest(BaseModel):
+    """`{"model_id", "node_id"}`; upstream exo's `{"targetNodeId", "shardMetadata"}` (or
+    `{"targetNodeId", "modelId"}` for a cancel) is read too, the model id taken from the
+    shard's card: the whole model downloads, whatever layers the shard names."""
+
     model_config = ConfigDict(extra="forbid")
-    model_id: str
-    # The node to download on; this node by default. `target_node_id` is upstream's name.
-    node_id: str | None = Field(None, validation_alias=AliasChoices("node_id", "target_node_id"))
+    model_id: str = Field(validation_alias=AliasChoices("model_id", "modelId"))
+    # The node to download on; this node by default.
+    node_id: str | None = Field(None, validation_alias=AliasChoices("node_id", "target_node_id", "targetNodeId"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_of_upstream_shard(cls, body: Any) -> Any:
+        if not isinstance(body, dict):
+            return body
+        rest = {k: v for k, v in body.items() if k not in ("shardMetadata", "shard_metadata")}
+        shard = body.get("shardMetadata", body.get("shard_metadata"))
+        if shard is None:
+            return body
+        card = (shard.get("modelCard") or shard.get("model_card")) if isinstance(shard, dict) else None
+        model_id = (card.get("modelId") or card.get("model_id")) if isinstance(card, dict) else None
+        if not isinstance(model_id, str):
+            raise ValueError("shardMetadata has no modelCard.modelId")
+        return {**rest, "model_id": model_id}
 
 
 class DownloadCommandResponse(BaseModel):
