@@ -135,6 +135,20 @@ def test_start_cancel_resume_and_delete_a_download(fake_hub: FakeHub, tmp_path: 
         assert not model_dir.exists() and not list(home.rglob("acme--sharded*"))
         assert node.state()["downloadOrders"] == {node_id: {}}
 
+        # Deleting a running download stops it and leaves no partial files.
+        fake_hub.throttle_bytes_per_second = 4 * MB
+        assert node.post("/download/start", json={"model_id": SHARDED}).status_code == 200
+        wait_record(
+            node, node_id, SHARDED, lambda r: r and r["kind"] == "DownloadOngoing" and r["downloadedBytes"] > 0, "again"
+        )
+        assert node.delete(f"/download/{node_id}/{SHARDED}").status_code == 200
+        node.wait_for_state(lambda s: SHARDED not in s["downloads"].get(node_id, {}), what="running download deleted")
+        sent = fake_hub.body_bytes_sent
+        time.sleep(1)
+        assert fake_hub.body_bytes_sent - sent < 128 * 1024, "the hub kept sending after the deletion"
+        assert not list(home.rglob("acme--sharded*")) and not list(home.rglob("*.partial"))
+        fake_hub.throttle_bytes_per_second = None
+
         # A model a running instance uses is neither cancelled nor deleted.
         node.place(TINY, timeout=120)
         in_use = node.delete(f"/download/{node_id}/{TINY}")
