@@ -21,11 +21,12 @@ import openai
 import pytest
 from PIL import Image
 
-from exo.devtools.tiny_vlms import gemma4_reference, make_tiny_vlm
+from exo.devtools.tiny_vlms import gemma4_reference
+from tests.support.images import VLM_MODEL_ID, VLM_QUESTION, noise_png, vlm_models_dir
 from tests.support.node import ExoNode, running_node
 
-MODEL_ID = "acme/gemma4-vlm-tiny"
-QUESTION = "what is in the picture"
+MODEL_ID = VLM_MODEL_ID
+QUESTION = VLM_QUESTION
 TOLERANCE = 1e-3
 TOP = 20
 STEPS = 4
@@ -33,21 +34,12 @@ STEPS = 4
 PREFILL_STEP = 32
 
 
-def _png(seed: int, size: tuple[int, int] = (96, 96)) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
-
-IMAGES = {"first": _png(1), "second": _png(2)}
+IMAGES = {"first": noise_png(1), "second": noise_png(2)}
 
 
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    models = tmp_path_factory.mktemp("vlm-models")
-    make_tiny_vlm(models / MODEL_ID.replace("/", "--"), "gemma4_vlm")
-    return models
+    return vlm_models_dir(tmp_path_factory.mktemp("vlm-models"))
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from exo.engine.mlx.constrained import GrammarProcessor, grammar_for, grammar_to
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.parallel import broadcast_bytes, connect_group, inner_model, set_pipeline_sharing
 from exo.engine.mlx.prefix_cache import PrefixCache
-from exo.engine.mlx.vision import VisionEncoder, VisionPrompt, images_of, load_vision
+from exo.engine.mlx.vision import VisionEncoder, VisionPrompt, images_of, load_vision, share_prompt
 from exo.engine.parsing.base import Parsed, StreamParser
 from exo.engine.parsing.output import make_output_parser, tool_format_for
 from exo.engine.parsing.reasoning import prompt_opens_reasoning
@@ -39,6 +39,7 @@ from exo.shared.types.text_generation import (
     ChunkGenerated,
     FinishReason,
     GenerationStats,
+    ImageInput,
     PrefillProgress,
     TextGenerationTaskParams,
     TokenLogprob,
@@ -173,6 +174,8 @@ class MlxEngine:
         self.vision: VisionEncoder | None = None
         self.pipeline_ranks = 1
         self._requests: dict[CommandId, _Request] = {}
+        # Image bytes rank 0 keeps back from the ops it broadcasts: only it runs the tower.
+        self._held_images: dict[CommandId, list[ImageInput]] = {}
         self._pending_ops: list[RankOp] = []
         self._grammar_tokenizer: Any = None
         self.shutdown_requested = False
@@ -190,7 +193,8 @@ class MlxEngine:
         self.tool_format = tool_format_for(self.model_type, self.tokenizer.chat_template)
         self.think_markers = detected_think_markers(self.tokenizer, self.model_type)
         self.prefix_cache = PrefixCache(self.model, self.model_type)
-        self.vision = load_vision(model_dir)
+        # The tower runs on rank 0 alone; the other ranks get its features (share_prompt).
+        self.vision = None if self.is_follower else load_vision(model_dir)
         if self.vision is not None:
             self.vision.bind(inner_model(self.model))
         self.pipeline_ranks = shard.world_size if isinstance(shard, PipelineShardMetadata) else 1
@@ -230,6 +234,11 @@ class MlxEngine:
             raise ValueError(f"{params.model} takes no images")
         # Every rank seeds its sampler the same way, so all ranks draw the same tokens.
         seed = params.seed if params.seed is not None else random.getrandbits(31)
+        if self.group is not None and params.images:
+            self._held_images[request_id] = params.images
+            params = params.model_copy(
+                update={"images": [image.model_copy(update={"data_base64": ""}) for image in params.images]}
+            )
         self._pending_ops.append(StartRequest(request_id=request_id, params=params, seed=seed, grammar=grammar))
         if self.group is None:
             self._apply_ops()
@@ -255,6 +264,7 @@ class MlxEngine:
                     self._start(op)
                 case CancelRequest(request_id=request_id):
                     self._requests.pop(request_id, None)
+                    self._held_images.pop(request_id, None)
                 case EndWarmup():
                     pass  # a follower's warm_up watches for it
                 case StopFollowers():
@@ -272,7 +282,7 @@ class MlxEngine:
         prompt, prompt_text = encode_prompt(self.tokenizer, params, self.model_type, self.reasoning_dialect)
         if not prompt:
             prompt = [self.tokenizer.bos_token_id or 0]
-        vision = self.vision.prepare(prompt, images_of(params)) if params.images and self.vision else None
+        vision = self._vision_prompt(op.request_id, params, prompt)
         if vision is not None:
             prompt = vision.tokens
         key = vision.key if vision is not None else prompt
@@ -298,6 +308,17 @@ class MlxEngine:
             prefilled=cached,
             cached_tokens=cached,
         )
+
+    def _vision_prompt(
+        self, request_id: CommandId, params: TextGenerationTaskParams, prompt: list[int]
+    ) -> VisionPrompt | None:
+        if not params.images:
+            return None
+        held = self._held_images.pop(request_id, [])
+        vision = self.vision.prepare(prompt, images_of(params, held)) if self.vision is not None else None
+        if self.group is not None:
+            vision = share_prompt(vision, self.group, generation_stream)
+        return vision
 
     def _output_parser(self, params: TextGenerationTaskParams, prompt_text: str) -> StreamParser:
         markers = self.think_markers
@@ -444,12 +465,12 @@ class MlxEngine:
 
     def _chunk_inputs(self, request: _Request) -> ChunkInputs | None:
         """For a prompt with images: the inputs of the chunk starting where prefill is."""
-        vision, prompt = self.vision, request.vision
-        if vision is None or prompt is None:
+        prompt = request.vision
+        if prompt is None:
             return None
         assert self.model is not None
         inner, offset = inner_model(self.model), request.prefilled
-        return lambda start, end: vision.chunk_inputs(inner, prompt, offset + start, offset + end)
+        return lambda start, end: prompt.chunk_inputs(inner, offset + start, offset + end)
 
     def _logprob(self, token: int, logprobs: mx.array, top: int) -> TokenLogprob:
         """A token's log probability and its top alternatives. Extreme sampling settings

@@ -28,8 +28,9 @@ from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor
 from mlx_vlm.models.gemma4.vision import VisionModel as Gemma4VisionModel
 from PIL import Image
 
+from exo.engine.mlx.parallel import broadcast_bytes
 from exo.shared.models.vision import vision_runs
-from exo.shared.types.text_generation import TextGenerationTaskParams, image_hashes_in_order
+from exo.shared.types.text_generation import ImageInput, TextGenerationTaskParams, image_hashes_in_order
 
 Features = Callable[[Image.Image], mx.array]
 
@@ -54,6 +55,64 @@ class VisionPrompt:
     # The prompt as the prefix cache keys it: each image's run holds a number drawn
     # from the image's hash instead of the image token, so a different image is a miss.
     key: list[int]
+    image_token_id: int
+    # What image positions read in the per-layer embedding table (Gemma 4 E2B/E4B).
+    pad_token_id: int
+
+    def chunk_inputs(self, inner: Any, start: int, end: int) -> dict[str, mx.array]:
+        """The language model's inputs for prompt positions [start, end): token ids with
+        image positions as the pad token, and embeddings with each image's features
+        spliced in where its run overlaps the chunk."""
+        ids = [self.pad_token_id if t == self.image_token_id else t for t in self.tokens[start:end]]
+        id_array = mx.array(ids)[None]
+        text = inner.embed_tokens(id_array)
+        pieces: list[mx.array] = []
+        at = start
+        for run in self.runs:
+            lo, hi = max(run.start, start), min(run.end, end)
+            if lo >= hi:
+                continue
+            pieces.append(text[:, at - start : lo - start])
+            pieces.append(run.features[lo - run.start : hi - run.start][None].astype(text.dtype))
+            at = hi
+        pieces.append(text[:, at - start :])
+        return {"inputs": id_array, "input_embeddings": mx.concatenate(pieces, axis=1)}
+
+
+def share_prompt(prompt: VisionPrompt | None, group: mx.distributed.Group, stream: Any) -> VisionPrompt:
+    """Rank 0's prompt (it alone runs the tower) on every rank of a pipeline: each rank
+    embeds its own inputs, and Gemma 4's per-layer inputs are projected from the
+    embeddings, image features included. The layout goes as JSON, the features in one
+    all-sum to which the other ranks add zeros."""
+    layout = None
+    if prompt is not None:
+        runs = [{"start": r.start, "tokens": r.features.shape[0], "sha256": r.sha256} for r in prompt.runs]
+        fields = {"tokens": prompt.tokens, "key": prompt.key, "runs": runs}
+        fields |= {"image_token_id": prompt.image_token_id, "pad_token_id": prompt.pad_token_id}
+        fields["hidden"] = prompt.runs[0].features.shape[1] if prompt.runs else 0
+        layout = json.dumps(fields).encode()
+    shared = json.loads(broadcast_bytes(layout, group, stream))
+    total = sum(run["tokens"] for run in shared["runs"])
+    features = (
+        mx.concatenate([run.features.astype(mx.float32) for run in prompt.runs])
+        if prompt is not None and prompt.runs
+        else mx.zeros((total, shared["hidden"]), dtype=mx.float32)
+    )
+    features = mx.distributed.all_sum(features, group=group, stream=stream)
+    # Now, not inside prefill's graph: there it could run after a rank's send, before the
+    # other's receive, and the two ranks would wait on each other.
+    mx.eval(features)
+    runs, at = [], 0
+    for run in shared["runs"]:
+        runs.append(ImageRun(start=run["start"], features=features[at : at + run["tokens"]], sha256=run["sha256"]))
+        at += run["tokens"]
+    return VisionPrompt(
+        tokens=shared["tokens"],
+        runs=runs,
+        key=shared["key"],
+        image_token_id=shared["image_token_id"],
+        pad_token_id=shared["pad_token_id"],
+    )
 
 
 class VisionEncoder:
@@ -112,26 +171,9 @@ class VisionEncoder:
             last = place + 1
         tokens += prompt[last:]
         key += prompt[last:]
-        return VisionPrompt(tokens=tokens, runs=runs, key=key)
-
-    def chunk_inputs(self, inner: Any, prompt: VisionPrompt, start: int, end: int) -> dict[str, mx.array]:
-        """The language model's inputs for prompt positions [start, end): token ids with
-        image positions as the pad token (what the per-layer table reads), and embeddings
-        with each image's features spliced in where its run overlaps the chunk."""
-        ids = [self.pad_token_id if t == self.image_token_id else t for t in prompt.tokens[start:end]]
-        id_array = mx.array(ids)[None]
-        text = inner.embed_tokens(id_array)
-        pieces: list[mx.array] = []
-        at = start
-        for run in prompt.runs:
-            lo, hi = max(run.start, start), min(run.end, end)
-            if lo >= hi:
-                continue
-            pieces.append(text[:, at - start : lo - start])
-            pieces.append(run.features[lo - run.start : hi - run.start][None].astype(text.dtype))
-            at = hi
-        pieces.append(text[:, at - start :])
-        return {"inputs": id_array, "input_embeddings": mx.concatenate(pieces, axis=1)}
+        return VisionPrompt(
+            tokens=tokens, runs=runs, key=key, image_token_id=self.image_token_id, pad_token_id=self.pad_token_id
+        )
 
 
 def _hash_token(sha256: str) -> int:
@@ -139,9 +181,10 @@ def _hash_token(sha256: str) -> int:
     return -1 - int(sha256[:15], 16)
 
 
-def images_of(params: TextGenerationTaskParams) -> list[tuple[str, bytes]]:
-    """The request's images in the order its messages show them, as (sha256, bytes)."""
-    by_hash = {image.sha256: image for image in params.images}
+def images_of(params: TextGenerationTaskParams, held: list[ImageInput]) -> list[tuple[str, bytes]]:
+    """The request's images in the order its messages show them, as (sha256, bytes);
+    `held` are the bytes rank 0 kept back from the other ranks."""
+    by_hash = {image.sha256: image for image in [*params.images, *held] if image.data_base64}
     return [(sha, by_hash[sha].data) for sha in image_hashes_in_order(params)]
 
 
