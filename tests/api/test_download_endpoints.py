@@ -18,6 +18,7 @@ from exo.shared.types.events import NodeDownloadProgress
 from tests.support.fake_cluster import FakeCluster
 
 MODEL = "mlx-community/Qwen3.5-2B-MLX-8bit"
+N_LAYERS = builtin_cards()[MODEL].n_layers
 
 
 def run(test: Callable[[FakeCluster, httpx.AsyncClient], Awaitable[None]]) -> FakeCluster:
@@ -44,7 +45,8 @@ def test_each_endpoint_sends_its_command_for_the_node_asked_or_this_one():
         assert (await client.post("/download/cancel", json={"model_id": MODEL, "node_id": "node-b"})).status_code == 200
         assert (await client.delete(f"/download/node-b/{MODEL}")).status_code == 200
         # Upstream exo's shapes: a shard's metadata naming the model, camelCase node id.
-        upstream = {"targetNodeId": "node-b", "shardMetadata": {"modelCard": {"modelId": MODEL}, "startLayer": 0}}
+        shard = {"modelCard": {"modelId": MODEL}, "startLayer": 4, "endLayer": 8, "nLayers": N_LAYERS}
+        upstream = {"targetNodeId": "node-b", "shardMetadata": shard}
         assert (await client.post("/download/start", json=upstream)).status_code == 200
         record(cluster, "node-b", DownloadOngoing(downloaded_bytes=1, total_bytes=9))
         cancel = {"targetNodeId": "node-b", "modelId": MODEL}
@@ -61,6 +63,19 @@ def test_each_endpoint_sends_its_command_for_the_node_asked_or_this_one():
         (StartDownload, "node-b", MODEL),
         (CancelDownload, "node-b", MODEL),
     ]
+    assert [c.layers for c in cluster.commands if isinstance(c, StartDownload)] == [None, None, (4, 8)]
+
+
+def test_layers_are_checked_against_the_card_and_all_of_them_mean_the_whole_model():
+    async def test(cluster: FakeCluster, client: httpx.AsyncClient) -> None:
+        for layers in ([0, N_LAYERS + 1], [3, 3], [-1, 2]):
+            refused = await client.post("/download/start", json={"model_id": MODEL, "layers": layers})
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_layers", layers
+        assert (await client.post("/download/start", json={"model_id": MODEL, "layers": [0, N_LAYERS]})).is_success
+        assert (await client.post("/download/start", json={"model_id": MODEL, "layers": [2, 5]})).is_success
+
+    cluster = run(test)
+    assert [c.layers for c in cluster.commands if isinstance(c, StartDownload)] == [None, (2, 5)]
 
 
 def test_refusals_are_4xx_with_a_code_and_send_nothing():

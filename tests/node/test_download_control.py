@@ -12,6 +12,8 @@ from importlib.resources import files
 from pathlib import Path
 
 from exo.devtools.tiny_models import make_tiny_llama
+from exo.shared.models.weight_files import files_for_layers
+from tests.cluster.test_shard_downloads import make_layered_model
 from tests.node.test_download import BIG_SHARD, MB, dir_bytes, make_sharded_model
 from tests.support.fake_hub import FakeHub
 from tests.support.fake_hub import fake_hub as fake_hub  # noqa: F401  (a fixture)
@@ -19,6 +21,7 @@ from tests.support.node import ExoNode, start_node, stop_node
 
 SHARDED = "acme/sharded"
 TINY = "acme/tiny-hub"
+LAYERED = "acme/layered"
 
 
 def record(node: ExoNode, node_id: str, model_id: str) -> dict | None:
@@ -221,6 +224,39 @@ def test_a_started_download_resumes_by_itself_after_the_node_is_killed(fake_hub:
         ratio = fake_hub.body_bytes_sent / model_bytes
         print(f"/download/start, kill -9 mid-file, restart: hub bytes / model = {ratio:.3f}")
         assert ratio < 1.2, ratio
+    finally:
+        stop_node(node)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_start_a_layer_range_then_the_rest(fake_hub: FakeHub, tmp_path: Path) -> None:
+    endpoint, root = fake_hub
+    weight_map = make_layered_model(root / "acme--layered")
+    model_bytes = sum(f.stat().st_size for f in (root / "acme--layered").iterdir())
+    home = tmp_path / "home"
+    node = start_node(home, {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"})
+    try:
+        node_id = node.node_id()
+        node.wait_for_state(lambda s: node_id in s["nodes"], what="node info")
+        assert node.post("/models/add", json={"model_id": LAYERED}).status_code == 200
+        started = node.post("/download/start", json={"model_id": LAYERED, "layers": [0, 2]})
+        assert started.status_code == 200 and "layers 0-1 of" in started.json()["message"], started.text
+        some = wait_record(node, node_id, LAYERED, lambda r: r and r["kind"] == "DownloadCompleted", "layers 0-1")
+        assert tuple(some["layers"]) == (0, 2)
+        held = {name for name in some["files"] if name.endswith(".safetensors")}
+        assert held == files_for_layers(weight_map, (0, 2)) != set(weight_map.values())
+        assert {f.name for f in home.rglob("*.safetensors")} == held
+
+        # The whole model now: only the files still missing come from the hub.
+        assert node.post("/download/start", json={"model_id": LAYERED}).status_code == 200
+        whole = wait_record(
+            node, node_id, LAYERED, lambda r: r and r["kind"] == "DownloadCompleted" and r["layers"] is None, "whole"
+        )
+        assert whole["path"] == str(home / "models" / "acme--layered")
+        assert {f.name for f in home.rglob("*.safetensors")} == set(weight_map.values())
+        ratio = fake_hub.body_bytes_sent / model_bytes
+        print(f"layers 0-1, then the whole model: hub bytes / model = {ratio:.3f}")
+        assert ratio < 1.05, ratio
     finally:
         stop_node(node)
         shutil.rmtree(home, ignore_errors=True)

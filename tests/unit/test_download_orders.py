@@ -10,6 +10,7 @@ from exo.shared.types.downloads import (
     DownloadFailed,
     DownloadOngoing,
     DownloadOrder,
+    DownloadOrderEntry,
     DownloadProgress,
 )
 from exo.shared.types.events import DownloadOrdered, NodeDownloadDeleted, NodeTimedOut
@@ -28,7 +29,7 @@ def ordered(order: DownloadOrder, record: DownloadProgress | None = None) -> Sta
 
 def test_an_order_is_kept_per_node_and_model_until_the_node_leaves():
     state = ordered("start")
-    assert state.download_orders == {NODE: {MODEL: "start"}}
+    assert state.download_orders == {NODE: {MODEL: DownloadOrderEntry(order="start")}}
     assert apply_event(state, NodeTimedOut(node_id=NODE)).download_orders == {}
 
 
@@ -54,6 +55,18 @@ def test_start_downloads_a_model_without_a_record_once():
     # Only some layers' files (a pipeline rank's): the rest is fetched.
     some_layers = DownloadCompleted(total_bytes=1, path="/m", layers=(0, 3))
     assert plan(NODE, ordered("start", some_layers), {}, NOW) == StartModelDownload(MODEL)
+    # An attempt that failed after the order: not again until a new order.
+    failed = ordered("start").model_copy(update={"downloads": {NODE: {MODEL: DownloadFailed(error_message="x")}}})
+    assert plan(NODE, failed, {}, NOW) is None
+
+
+def test_start_of_some_layers_fetches_until_a_record_covers_them():
+    state = apply_event(State(), DownloadOrdered(node_id=NODE, model_id=MODEL, order="start", layers=(2, 4)))
+    assert plan(NODE, state, {}, NOW) == StartModelDownload(MODEL, (2, 4))
+    for held, again in (((0, 3), True), ((2, 6), False), (None, False)):
+        record = DownloadCompleted(total_bytes=1, path="/m", layers=held)
+        with_record = state.model_copy(update={"downloads": {NODE: {MODEL: record}}})
+        assert (plan(NODE, with_record, {}, NOW) is not None) is again, held
 
 
 def test_cancel_stops_only_a_running_download():

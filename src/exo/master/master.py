@@ -205,7 +205,8 @@ class Master:
                 order = "cancel"
             case DeleteDownload():
                 order = "delete"
-        self.emit(DownloadOrdered(node_id=node_id, model_id=model_id, order=order))
+        layers = command.layers if isinstance(command, StartDownload) else None
+        self.emit(DownloadOrdered(node_id=node_id, model_id=model_id, order=order, layers=layers))
 
     def _delete_instance(self, instance_id: InstanceId, reason: str) -> None:
         if instance_id not in self.state.instances:

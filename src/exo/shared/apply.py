@@ -3,7 +3,7 @@
 from typing import TypeVar, assert_never
 
 from exo.shared.types.common import ModelId
-from exo.shared.types.downloads import DownloadCancelled, DownloadFailed
+from exo.shared.types.downloads import DownloadCancelled, DownloadFailed, DownloadOrderEntry
 from exo.shared.types.events import (
     CustomModelCardAdded,
     CustomModelCardDeleted,
@@ -111,7 +111,8 @@ def apply_event(state: State, event: Event) -> State:
 
 def _with_download_order(state: State, event: DownloadOrdered) -> State:
     node_id, model_id = event.node_id, event.model_id
-    orders = {**state.download_orders, node_id: {**state.download_orders.get(node_id, {}), model_id: event.order}}
+    entry = DownloadOrderEntry(order=event.order, layers=event.layers)
+    orders = {**state.download_orders, node_id: {**state.download_orders.get(node_id, {}), model_id: entry}}
     records = state.downloads.get(node_id, {})
     if event.order == "start" and isinstance(records.get(model_id), DownloadFailed | DownloadCancelled):
         # The record of an attempt that ended goes, so the worker starts again.

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from exo.shared.queries import download_running, instance_using_files
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId, TaskId
-from exo.shared.types.downloads import DownloadCompleted, DownloadFailed
+from exo.shared.types.downloads import DownloadCancelled, DownloadCompleted, DownloadFailed, DownloadProgress
 from exo.shared.types.instances import Instance
 from exo.shared.types.runners import (
     SERVING_STATUSES,
@@ -84,6 +84,8 @@ class CancelTask:
 @dataclass(frozen=True)
 class StartModelDownload:
     model_id: ModelId
+    # The layers whose files to fetch; None: the whole model.
+    layers: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -135,22 +137,28 @@ def plan(
 def _plan_download_orders(node_id: NodeId, state: State, downloading: frozenset[ModelId]) -> PlannerAction | None:
     """The API's download orders for this node. A model an instance here runs is the
     instance's business: such an order waits (the master refuses new ones)."""
-    for model_id, order in state.download_orders.get(node_id, {}).items():
+    for model_id, entry in state.download_orders.get(node_id, {}).items():
         if instance_using_files(state, node_id, model_id) is not None:
             continue
         record = state.downloads.get(node_id, {}).get(model_id)
-        some_layers = isinstance(record, DownloadCompleted) and record.layers is not None
-        to_fetch = record is None or some_layers or download_running(state, node_id, model_id)
-        if order == "start" and model_id not in downloading and to_fetch:
-            # No record (or a failed one the order dropped), the files of a pipeline
-            # rank's layers only, or a record left by an earlier run of this node that
-            # stopped mid-download.
-            return StartModelDownload(model_id)
-        if order == "cancel" and download_running(state, node_id, model_id):
+        # A failed or cancelled attempt stays so until a new start order drops its record.
+        ended = isinstance(record, DownloadFailed | DownloadCancelled)
+        if entry.order == "start" and model_id not in downloading and not ended and not _holds(record, entry.layers):
+            # No record (or one the order dropped), files for other layers, or a record
+            # left by an earlier run of this node that stopped mid-download.
+            return StartModelDownload(model_id, entry.layers)
+        if entry.order == "cancel" and download_running(state, node_id, model_id):
             return CancelModelDownload(model_id)
-        if order == "delete":
+        if entry.order == "delete":
             return DeleteModelFiles(model_id)
     return None
+
+
+def _holds(record: DownloadProgress | None, layers: tuple[int, int] | None) -> bool:
+    """The record is of files covering `layers` (None: the whole model)."""
+    if not isinstance(record, DownloadCompleted):
+        return False
+    return record.layers is None if layers is None else record.covers(*layers)
 
 
 def _plan_instance(

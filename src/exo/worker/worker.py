@@ -241,9 +241,9 @@ class Worker:
                 self.supervisors[runner_id].send(SubmitTask(task=state.tasks[task_id]))
             case CancelTask(runner_id=runner_id, task_id=task_id):
                 self.supervisors[runner_id].cancel(task_id)
-            case StartModelDownload(model_id=model_id):
+            case StartModelDownload(model_id=model_id, layers=layers):
                 previous = state.downloads.get(self.node_id, {}).get(model_id)
-                self._find_model(model_id, None)
+                self._find_model(model_id, layers)
                 await self.replica.wait_for(
                     lambda s: s.downloads.get(self.node_id, {}).get(model_id) is not previous, timeout=10
                 )

@@ -12,6 +12,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from exo.api.errors import ApiError
 from exo.api.placing import card_or_404
 from exo.api.port import ClusterDep, ClusterPort
+from exo.shared.models.model_cards import ModelCard
 from exo.shared.queries import download_running, instance_using_files
 from exo.shared.types.commands import CancelDownload, DeleteDownload, StartDownload
 from exo.shared.types.common import ModelId, NodeId
@@ -22,14 +23,16 @@ router = APIRouter()
 
 
 class DownloadRequest(BaseModel):
-    """`{"model_id", "node_id"}`; upstream exo's `{"targetNodeId", "shardMetadata"}` (or
-    `{"targetNodeId", "modelId"}` for a cancel) is read too, the model id taken from the
-    shard's card: the whole model downloads, whatever layers the shard names."""
+    """`{"model_id", "node_id", "layers"}`; upstream exo's `{"targetNodeId",
+    "shardMetadata"}` (or `{"targetNodeId", "modelId"}` for a cancel) is read too, the
+    model id from the shard's card and the layers from its start and end layer."""
 
     model_config = ConfigDict(extra="forbid")
     model_id: str = Field(validation_alias=AliasChoices("model_id", "modelId"))
     # The node to download on; this node by default.
     node_id: str | None = Field(None, validation_alias=AliasChoices("node_id", "target_node_id", "targetNodeId"))
+    # Only the files of layers [start, end) (a pipeline rank's); the whole model by default.
+    layers: tuple[int, int] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -44,7 +47,10 @@ class DownloadRequest(BaseModel):
         model_id = (card.get("modelId") or card.get("model_id")) if isinstance(card, dict) else None
         if not isinstance(model_id, str):
             raise ValueError("shardMetadata has no modelCard.modelId")
-        return {**rest, "model_id": model_id}
+        start = shard.get("startLayer", shard.get("start_layer"))
+        end = shard.get("endLayer", shard.get("end_layer"))
+        layers = [start, end] if start is not None and end is not None else None
+        return {**rest, "model_id": model_id, "layers": layers}
 
 
 class DownloadCommandResponse(BaseModel):
@@ -81,12 +87,28 @@ def _send(
     )
 
 
+def _layers(card: ModelCard, layers: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The layer range to download, checked against the card; None for every layer."""
+    if layers is None or layers == (0, card.n_layers):
+        return None
+    start, end = layers
+    if not 0 <= start < end <= card.n_layers:
+        raise ApiError(
+            400,
+            f"layers {list(layers)} are not a range [start, end) of {card.model_id}'s {card.n_layers} layers",
+            code="invalid_layers",
+            param="layers",
+        )
+    return layers
+
+
 @router.post("/download/start")
 def start_download(cluster: ClusterDep, body: DownloadRequest) -> DownloadCommandResponse:
     node_id = _node_or_404(cluster, body.node_id)
-    card_or_404(cluster, body.model_id)
-    command = StartDownload(node_id=node_id, model_id=ModelId(body.model_id))
-    return _send(cluster, command, f"downloading {body.model_id} on node {node_id}")
+    layers = _layers(card_or_404(cluster, body.model_id), body.layers)
+    command = StartDownload(node_id=node_id, model_id=ModelId(body.model_id), layers=layers)
+    of = f"layers {layers[0]}-{layers[1] - 1} of " if layers else ""
+    return _send(cluster, command, f"downloading {of}{body.model_id} on node {node_id}")
 
 
 @router.post("/download/cancel")

@@ -57,9 +57,11 @@ class _DownloadCommand(CommandBase):
 
 
 class StartDownload(_DownloadCommand):
-    """Download the whole model on that node, with no instance placed."""
+    """Download the model on that node, with no instance placed: the files of `layers`
+    [start, end) (a pipeline rank's), or the whole model."""
 
     kind: Literal["StartDownload"] = "StartDownload"
+    layers: tuple[int, int] | None = None
 
 
 class CancelDownload(_DownloadCommand):

@@ -56,3 +56,9 @@ DownloadProgress = Annotated[
 # What the API asked a node to do with a model's files, kept in State until done:
 # "start" a download, "cancel" a running one, "delete" the files.
 DownloadOrder = Literal["start", "cancel", "delete"]
+
+
+class DownloadOrderEntry(FrozenModel):
+    order: DownloadOrder
+    # For "start": the layers [start, end) whose files to fetch; None: the whole model.
+    layers: tuple[int, int] | None = None

@@ -105,6 +105,8 @@ class DownloadOrdered(FrozenModel):
     node_id: NodeId
     model_id: ModelId
     order: DownloadOrder
+    # For "start": the layers whose files to fetch; None: the whole model.
+    layers: tuple[int, int] | None = None
 
 
 class NodeDownloadDeleted(FrozenModel):

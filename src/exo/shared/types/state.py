@@ -9,7 +9,7 @@ from exo.shared.types.common import (
     RunnerId,
     TaskId,
 )
-from exo.shared.types.downloads import DownloadOrder, DownloadProgress
+from exo.shared.types.downloads import DownloadOrderEntry, DownloadProgress
 from exo.shared.types.instances import Instance
 from exo.shared.types.nodes import NodeInfo
 from exo.shared.types.runners import RunnerStatus
@@ -27,7 +27,7 @@ class State(FrozenModel):
     downloads: dict[NodeId, dict[ModelId, DownloadProgress]] = {}
     # Download orders (POST /download/start, /download/cancel, DELETE /download/...)
     # each node's worker has yet to carry out, or keeps following ("start").
-    download_orders: dict[NodeId, dict[ModelId, DownloadOrder]] = {}
+    download_orders: dict[NodeId, dict[ModelId, DownloadOrderEntry]] = {}
     topology: Topology = Topology()
     # Cards added through the API; they live in the log, so they survive a failover.
     custom_model_cards: dict[ModelId, ModelCard] = {}
