@@ -1,16 +1,18 @@
 """Distributed inference gives the single-process answer.
 
-For each architecture in `TINY_CONFIGS`, a tiny random float32 model runs in one process
-and then split over 2 (and 4) processes joined by the MLX ring backend on 127.0.0.1,
-with pipeline and with tensor sharding, through `exo.devtools.parallel_check` (the
-engine's real loading and sharding code). Every rank's logits for a 32-token prompt and
-16 greedy decode steps must match the single process within 1e-4, and every rank must
-emit the same tokens.
+A tiny random float32 model runs in one process and then split over 2 (and 4) processes
+joined by the MLX ring backend on 127.0.0.1, with pipeline and with tensor sharding,
+through `exo.devtools.parallel_check` (the engine's real loading and sharding code).
+Every rank's logits for a 32-token prompt and 16 greedy decode steps must match the
+single process within 1e-4, and every rank must emit the same tokens.
 
-Tensor cases exist for architectures with a strategy (exo's or mlx-lm's). To keep the run
-short, 4-way cases run by default only for llama and deepseek_v3 (MoE + MLA), both ways,
-and for gpt_oss pipeline (4-way puts a rank boundary after an odd layer, which 2-way over
-4 layers does not); EXO_PARALLEL_FULL=1 runs 4-way for every architecture."""
+2-way splits of the families transformers can save a checkpoint of are served by real
+nodes and compared with transformers in test_served_numerics.py; here 2-way runs for the
+others (WITHOUT_TRANSFORMERS_CHECKPOINT). Tensor cases exist for architectures with a
+strategy (exo's or mlx-lm's). 4-way cases run by default for llama and deepseek_v3 (MoE +
+MLA), both ways, for gpt_oss pipeline (4-way puts a rank boundary after an odd layer,
+which 2-way over 4 layers does not) and for gemma4 pipeline; EXO_PARALLEL_FULL=1 runs
+every case."""
 
 import json
 import os
@@ -23,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exo.devtools.tiny_configs import TINY_CONFIGS
+from exo.devtools.tiny_configs import TINY_CONFIGS, WITHOUT_TRANSFORMERS_CHECKPOINT
 from exo.devtools.tiny_models import make_tiny
 from exo.shared.models.families import has_tensor_strategy
 
@@ -67,6 +69,8 @@ def _cases() -> list:
         for world_size in (2, 4):
             for sharding in ("pipeline", "tensor"):
                 if world_size == 4 and not (FULL or (arch, sharding) in FOUR_WAY_DEFAULT):
+                    continue
+                if world_size == 2 and not (FULL or arch in WITHOUT_TRANSFORMERS_CHECKPOINT):
                     continue
                 if sharding == "pipeline" and _n_layers(TINY_CONFIGS[arch]) < world_size:
                     continue

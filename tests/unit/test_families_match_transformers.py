@@ -8,21 +8,18 @@ prompt (past every tiny sliding window and sparse top-k) and 16 greedy decode st
 through the cache, with the prompt prefilled at once and in 3 chunks. DeepSeek V4 and
 Gemma 4 have their own, longer tests (test_deepseek_v4_model.py, test_gemma4_model.py).
 
-Not here, and why: gpt_oss and qwen3_5_moe (transformers saves their experts fused, in
-a layout mlx-lm's sanitize does not read), step3p5 and kimi_k25 (transformers has no
-causal-LM class for these configs)."""
+Not here: the configs in WITHOUT_TRANSFORMERS_CHECKPOINT (why is said there)."""
 
 import copy
 
 import pytest
 
 from exo.devtools.onboard import compare
-from exo.devtools.tiny_configs import TINY_CONFIGS
+from exo.devtools.tiny_configs import TINY_CONFIGS, WITHOUT_TRANSFORMERS_CHECKPOINT
 
 TOLERANCE = 1e-3
 OWN_TESTS = {"deepseek_v4", "gemma4", "gemma4_moe"}
-NO_TRANSFORMERS_CHECKPOINT = {"gpt_oss", "qwen3_5_moe", "step3p5", "kimi_k25"}
-FAMILIES = [name for name in TINY_CONFIGS if name not in OWN_TESTS | NO_TRANSFORMERS_CHECKPOINT]
+FAMILIES = [name for name in TINY_CONFIGS if name not in OWN_TESTS | WITHOUT_TRANSFORMERS_CHECKPOINT]
 
 
 def _init_std(config: dict) -> float:

@@ -98,7 +98,9 @@ class RunnerSupervisor:
         asyncio.get_running_loop().remove_reader(self._conn.fileno())
         self.process.join(timeout=5)
         exit_code = self.process.exitcode
-        if Shutdown in self.sent and exit_code == 0:
+        # A runner exits 0 only after shutting down in order: told to by its supervisor,
+        # or, as a follower, by its rank 0 (whose node may see the deletion first).
+        if exit_code == 0:
             self.on_event(RunnerStatusUpdated(runner_id=self.runner_id, status=RunnerShutdown()))
             return
         message = self.failure_message or f"runner process exited unexpectedly (exit code {exit_code})"
