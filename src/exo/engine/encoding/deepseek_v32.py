@@ -17,8 +17,6 @@ invoke and parameter elements inside are the same."""
 from itertools import groupby
 from typing import Any
 
-from mlx_lm.chat_templates import deepseek_v32
-
 from exo.engine.encoding import arguments_json, content_text, split_prefill, system_text
 from exo.engine.encoding.deepseek_v4 import strip_thinking
 from exo.shared.types.text_generation import ChatMessage
@@ -35,6 +33,10 @@ def encode_messages(
     """The full V3.2 prompt, ending with the generation prompt (or with the text of a
     trailing assistant message, which generation then continues). V3.2 has no effort
     setting; `reasoning_effort` is accepted so both DeepSeek encoders share a signature."""
+    # Imported here: importing mlx_lm loads MLX, and the node process (whose API counts
+    # prompts with this encoder) otherwise never does.
+    from mlx_lm.chat_templates import deepseek_v32
+
     history, prefill = split_prefill(messages)
     prompt = deepseek_v32.encode_messages(
         _template_messages(history, tools),
