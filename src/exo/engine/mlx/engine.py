@@ -1,7 +1,11 @@
-"""Generation with MLX: each request prefills its prompt a chunk per step, then runs one
-mlx-lm `generate_step` stream a token per step, so new requests and cancellations are
-picked up between chunks and tokens. The model's text goes through the family's output
-parser, which splits reasoning and tool calls from the answer."""
+"""Generation with MLX: each step runs one prefill chunk of the oldest request still
+prefilling, then one batched forward that gives every decoding request its next token
+(engine/mlx/batching.py), so new requests join and cancellations land between steps and
+a new prompt holds running streams up by one chunk at most. Requests the batch cannot
+hold (images, caches other than plain KV) decode on their own mlx-lm `generate_step`
+stream. Beyond MAX_BATCH requests, later ones wait in arrival order. The model's text
+goes through the family's output parser, which splits reasoning and tool calls from the
+answer."""
 
 import json
 import math
@@ -21,6 +25,7 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 from pydantic import Field, TypeAdapter
 
 from exo.engine.base import LayerProgress
+from exo.engine.mlx.batching import MAX_BATCH, DecodeBatch, can_batch
 from exo.engine.mlx.chat_template import detected_think_markers, encode_prompt
 from exo.engine.mlx.constrained import GrammarProcessor, grammar_for, grammar_tokenizer
 from exo.engine.mlx.loading import load_shard
@@ -145,6 +150,7 @@ class _Request:
     cached_tokens: int = 0
     output: list[int] = field(default_factory=list)
     tokens: Iterator[tuple[mx.array, mx.array]] | None = None
+    in_batch: bool = False  # decoding in the engine's DecodeBatch
     first_token_at: float | None = None
     generated: int = 0
     reasoning_tokens: int = 0
@@ -153,6 +159,15 @@ class _Request:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt)
+
+    @property
+    def prefilling(self) -> bool:
+        # All but the last prompt token are prefilled; the last starts decoding.
+        return self.prefilled < len(self.prompt) - 1
+
+    @property
+    def batchable(self) -> bool:
+        return self.vision is None and can_batch(self.cache)
 
 
 class MlxEngine:
@@ -179,6 +194,7 @@ class MlxEngine:
         self._pending_ops: list[RankOp] = []
         self._grammar_tokenizer: Any = None
         self.shutdown_requested = False
+        self._batch = DecodeBatch()
 
     @property
     def is_follower(self) -> bool:
@@ -384,28 +400,50 @@ class MlxEngine:
         return self._advance_all()
 
     def _advance_all(self) -> list[ChunkGenerated]:
-        return [self._advance(request) for request in list(self._requests.values())]
+        """Every rank runs this on the same requests in the same order (arrival order,
+        the admitted first), so the batch's rows and the collectives agree."""
+        assert self.model is not None
+        running = list(self._requests.values())[:MAX_BATCH]
+        self._batch.keep_only(request.request_id for request in running if request.in_batch)
+        chunks: list[ChunkGenerated] = []
+        prefilling = next((request for request in running if request.prefilling), None)
+        if prefilling is not None:
+            chunks.append(self._prefill(prefilling))
+        for request in running:
+            if request.prefilling or request.in_batch:
+                continue
+            if request.batchable:
+                last = request.prompt[-1]
+                self._batch.join(
+                    self.model, request.request_id, request.cache, last, request.sampler, request.logits_processors
+                )
+                request.in_batch = True
+            else:
+                chunks.append(self._decode_alone(request))
+        for request_id, token, logprobs in self._batch.step():
+            chunks.append(self._token_chunk(self._requests[request_id], token, logprobs))
+        return chunks
 
-    def _advance(self, request: _Request) -> ChunkGenerated:
-        assert self.model is not None and self.tokenizer is not None
-        command_id = request.request_id
-        to_prefill = len(request.prompt) - 1
-        if request.prefilled < to_prefill:
-            end = min(request.prefilled + PREFILL_STEP, to_prefill)
-            prefill_chunk(
-                self.model,
-                request.prompt[request.prefilled : end],
-                request.cache,
-                self.pipeline_ranks,
-                self._chunk_inputs(request),
-            )
-            request.prefilled = end
-            assert self.prefix_cache is not None
-            self.prefix_cache.remember_boundary(request.key[:end], request.cache)
-            return ChunkGenerated(
-                command_id=command_id,
-                prefill=PrefillProgress(processed_tokens=end, total_tokens=len(request.prompt)),
-            )
+    def _prefill(self, request: _Request) -> ChunkGenerated:
+        assert self.model is not None
+        end = min(request.prefilled + PREFILL_STEP, len(request.prompt) - 1)
+        prefill_chunk(
+            self.model,
+            request.prompt[request.prefilled : end],
+            request.cache,
+            self.pipeline_ranks,
+            self._chunk_inputs(request),
+        )
+        request.prefilled = end
+        assert self.prefix_cache is not None
+        self.prefix_cache.remember_boundary(request.key[:end], request.cache)
+        return ChunkGenerated(
+            command_id=request.request_id,
+            prefill=PrefillProgress(processed_tokens=end, total_tokens=len(request.prompt)),
+        )
+
+    def _decode_alone(self, request: _Request) -> ChunkGenerated:
+        assert self.model is not None
         if request.tokens is None:
             request.tokens = generate_step(
                 mx.array(request.prompt[-1:]),
@@ -417,6 +455,11 @@ class MlxEngine:
             )
         token_array, logprobs = next(request.tokens)
         token = cast(int, token_array.item()) if isinstance(token_array, mx.array) else int(token_array)
+        return self._token_chunk(request, token, logprobs)
+
+    def _token_chunk(self, request: _Request, token: int, logprobs: mx.array) -> ChunkGenerated:
+        assert self.tokenizer is not None
+        command_id = request.request_id
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         request.generated += 1
@@ -459,8 +502,9 @@ class MlxEngine:
         if finish_reason is None:
             return chunk
         del self._requests[request.request_id]
+        cache = self._batch.leave(request.request_id) if request.in_batch else request.cache
         assert self.prefix_cache is not None
-        self.prefix_cache.remember_finished(request.key + request.output, request.cache)
+        self.prefix_cache.remember_finished(request.key + request.output, cache)
         return chunk.model_copy(update={"usage": self._usage(request), "stats": self._stats(request)})
 
     def _chunk_inputs(self, request: _Request) -> ChunkInputs | None:
@@ -522,6 +566,7 @@ class MlxEngine:
             self._pending_ops.append(StopFollowers())
             self._apply_ops()
         self._requests.clear()
+        self._batch = DecodeBatch()
         self.model = None
         self.tokenizer = None
         self.prefix_cache = None

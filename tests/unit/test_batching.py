@@ -1,0 +1,180 @@
+"""Continuous batching in the MLX engine (real engine, in this process, tiny llama):
+concurrent greedy requests of different prompt lengths, joining at different steps and
+leaving at different lengths, give exactly the tokens each gives alone, with
+log-probabilities (the chosen token's and the top 5) within 1e-4; once all decode, a
+step is one forward of the model; penalties and logit bias stay per request; a
+cancelled member leaves without disturbing the others; beyond the admission limit
+requests wait and still answer the same. A request alone in the batch answers as on
+mlx-lm's own generate_step."""
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from exo.devtools.tiny_models import make_tiny_llama
+from exo.engine.mlx import engine as engine_module
+from exo.engine.mlx.engine import MlxEngine
+from exo.engine.mlx.prefix_cache import PrefixCache
+from exo.shared.types.common import CommandId, ModelId
+from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, TextGenerationTaskParams
+from tests.support.engine import load_engine
+
+TOLERANCE = 1e-4
+WORDS = "cluster node model token the cat runs over the quiet moon "
+
+
+def _params(repeat: int, max_tokens: int, **extra) -> TextGenerationTaskParams:
+    return TextGenerationTaskParams(
+        model=ModelId("test/model"),
+        messages=[ChatMessage(role="user", content=WORDS * repeat)],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=5,
+        **extra,
+    )
+
+
+REQUESTS = {
+    "short": _params(1, 30),
+    "long": _params(9, 24),
+    "middle": _params(4, 32, presence_penalty=1.5),
+    "biased": _params(2, 28, logit_bias={7: 4.0, 9: 3.0}),
+}
+
+
+class _CountingModel:
+    """The engine's model with its calls counted: a decode forward is a call of the whole
+    model (prefill calls the inner model)."""
+
+    def __init__(self, model) -> None:
+        self.model_object = model
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.model_object(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model_object, name)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> MlxEngine:
+    return load_engine(make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", num_hidden_layers=4))
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch, engine):
+    monkeypatch.setattr(engine_module, "PREFILL_STEP", 16)
+    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+
+
+def _collect(chunks: list[ChunkGenerated], out: dict) -> None:
+    for chunk in chunks:
+        record = out[chunk.command_id]
+        record["tokens"] += chunk.token_ids
+        for logprob in chunk.logprobs or []:
+            record["chosen"].append(logprob.logprob)
+            record["top"].append(sorted((top.token_id, top.logprob) for top in logprob.top_logprobs))
+        if chunk.finish_reason is not None:
+            record["finish"] = chunk.finish_reason
+
+
+def _record() -> dict:
+    return defaultdict(lambda: {"tokens": [], "chosen": [], "top": [], "finish": None})
+
+
+def _alone(engine: MlxEngine, name: str) -> dict:
+    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    out = _record()
+    engine.submit(CommandId(name), REQUESTS[name])
+    while engine.has_work:
+        _collect(engine.step(), out)
+    return out[name]
+
+
+def _assert_same(got: dict, alone: dict, name: str) -> None:
+    assert got["tokens"] == alone["tokens"], name
+    assert got["finish"] == alone["finish"], name
+    np.testing.assert_allclose(got["chosen"], alone["chosen"], atol=TOLERANCE)
+    for step_got, step_alone in zip(got["top"], alone["top"], strict=True):
+        assert [token for token, _ in step_got] == [token for token, _ in step_alone], name
+        np.testing.assert_allclose([lp for _, lp in step_got], [lp for _, lp in step_alone], atol=TOLERANCE)
+
+
+def test_alone_in_the_batch_answers_as_mlx_lms_generate_step(engine, monkeypatch):
+    batched = {name: _alone(engine, name) for name in REQUESTS}
+    monkeypatch.setattr(engine_module, "can_batch", lambda cache: False)
+    for name in REQUESTS:
+        _assert_same(batched[name], _alone(engine, name), name)
+
+
+def test_concurrent_greedy_requests_answer_as_alone_in_one_forward_per_step(engine, monkeypatch):
+    alone = {name: _alone(engine, name) for name in REQUESTS}
+    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    counting = _CountingModel(engine.model)
+    monkeypatch.setattr(engine, "model", counting)
+    out = _record()
+    names = list(REQUESTS)
+    # Two start together; the others join while those decode.
+    for name in names[:2]:
+        engine.submit(CommandId(name), REQUESTS[name])
+    steps, batched_steps = 0, 0
+    while engine.has_work:
+        if steps == 3:
+            for name in names[2:]:
+                engine.submit(CommandId(name), REQUESTS[name])
+        before = counting.calls
+        chunks = engine.step()
+        decoding = [chunk for chunk in chunks if chunk.token_ids]
+        if len(decoding) == len(REQUESTS) and not any(chunk.prefill for chunk in chunks):
+            # Every request got its token from a single forward of the model.
+            assert counting.calls - before == 1
+            batched_steps += 1
+        _collect(chunks, out)
+        steps += 1
+    assert batched_steps >= 3, batched_steps
+    for name in names:
+        _assert_same(out[name], alone[name], name)
+
+
+def test_a_cancelled_member_leaves_and_the_others_answer_as_alone(engine):
+    alone = {name: _alone(engine, name) for name in ("short", "middle")}
+    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    out = _record()
+    for name in ("short", "long", "middle"):
+        engine.submit(CommandId(name), REQUESTS[name])
+    cancelled = False
+    while engine.has_work:
+        chunks = engine.step()
+        _collect(chunks, out)
+        if not cancelled and len(out["long"]["tokens"]) >= 3:
+            engine.cancel(CommandId("long"))
+            cancelled = True
+            tokens_at_cancel = len(out["long"]["tokens"])
+    assert cancelled and len(out["long"]["tokens"]) == tokens_at_cancel
+    assert out["long"]["finish"] is None
+    for name in ("short", "middle"):
+        _assert_same(out[name], alone[name], name)
+
+
+def test_requests_beyond_the_admission_limit_wait_their_turn(engine, monkeypatch):
+    alone = {name: _alone(engine, name) for name in REQUESTS}
+    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    monkeypatch.setattr(engine_module, "MAX_BATCH", 2)
+    out = _record()
+    for name in REQUESTS:
+        engine.submit(CommandId(name), REQUESTS[name])
+    finished: set[str] = set()
+    while engine.has_work:
+        chunks = engine.step()
+        active = {chunk.command_id for chunk in chunks}
+        # Only the two oldest unfinished requests are stepped.
+        waiting_order = [name for name in REQUESTS if name not in finished]
+        assert active <= set(waiting_order[:2]), (active, waiting_order)
+        _collect(chunks, out)
+        finished |= {chunk.command_id for chunk in chunks if chunk.finish_reason is not None}
+    for name in REQUESTS:
+        _assert_same(out[name], alone[name], name)
