@@ -54,8 +54,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     auto_place.add_argument(
         "--no-auto-place", dest="auto_place", action="store_false", help="never place models on request"
     )
+    parser.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        metavar="KEY",
+        help="require this key on every API request but GET /node_id; repeat for several "
+        "(also EXO_API_KEY, comma-separated; the environment keeps keys out of `ps`)",
+    )
+    parser.add_argument(
+        "--cluster-secret",
+        default=os.environ.get("EXO_CLUSTER_SECRET") or None,
+        metavar="SECRET",
+        help="seal every message between nodes with this secret; only nodes given the same "
+        "one form a cluster (also EXO_CLUSTER_SECRET)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.api_keys is None:
+        args.api_keys = os.environ.get("EXO_API_KEY", "").split(",")
+    args.api_keys = [key.strip() for key in args.api_keys if key.strip()]
+    return args
 
 
 def exo_home() -> Path:
@@ -103,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         verbose=args.verbose,
         place_model=args.place_model,
         auto_place=args.auto_place,
+        api_keys=tuple(args.api_keys),
+        cluster_secret=args.cluster_secret,
     )
     try:
         asyncio.run(Node(config).run())

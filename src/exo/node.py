@@ -3,7 +3,7 @@ together over the router."""
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -17,7 +17,8 @@ from exo.master.master import Master
 from exo.routing.chunk_streams import ChunkStreams
 from exo.routing.election import Election
 from exo.routing.replica import StateReplica
-from exo.routing.router import Router, Topic
+from exo.routing.router import Router, Topic, Transport
+from exo.routing.seal import SealedTransport, peer_token, secret_fingerprint
 from exo.routing.zenoh_transport import ZenohTransport
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.commands import Command
@@ -47,6 +48,19 @@ class NodeConfig:
     # Place a requested model that has no instance and wait for it; None: only when the
     # cluster has exactly one node.
     auto_place: bool | None = None
+    # --api-key: what every API request but the health check must carry; none: open.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # --cluster-secret: every message between nodes sealed with it (routing/seal.py).
+    cluster_secret: str | None = field(default=None, repr=False)
+
+    @property
+    def peer_token(self) -> str | None:
+        """What this node presents on the other nodes' peer endpoints (link probes, the
+        peer file hub): the token derived from the cluster secret, else its own first
+        API key (enough when the nodes share one)."""
+        if self.cluster_secret:
+            return peer_token(self.cluster_secret)
+        return self.api_keys[0] if self.api_keys else None
 
 
 def load_node_id(exo_home: Path) -> NodeId:
@@ -65,7 +79,7 @@ class Node:
         self.config = config
         self.node_id = load_node_id(config.exo_home)
         self.session_id = new_id()
-        transport = ZenohTransport(
+        transport: Transport = ZenohTransport(
             config.namespace,
             config.listen_port,
             config.discovery_port,
@@ -73,6 +87,9 @@ class Node:
             config.multicast,
             config.discovery_interface,
         )
+        if config.cluster_secret:
+            transport = SealedTransport(transport, config.cluster_secret)
+            logger.info(f"cluster messages sealed (secret fingerprint {secret_fingerprint(config.cluster_secret)})")
         self.router = Router(self.node_id, transport)
         self.replica = StateReplica(self.router, config.exo_home / "data" / "event_log.jsonl")
         self.catalog = Catalog(config.exo_home)
@@ -88,6 +105,7 @@ class Node:
                 config.api_port,
                 config.verbose,
                 offline=config.offline,
+                peer_token=config.peer_token,
             )
             if config.run_worker
             else None
@@ -99,7 +117,12 @@ class Node:
 
     @property
     def settings(self) -> ApiSettings:
-        return ApiSettings(offline=self.config.offline, auto_place=self.config.auto_place)
+        return ApiSettings(
+            offline=self.config.offline,
+            auto_place=self.config.auto_place,
+            api_keys=self.config.api_keys,
+            peer_token=self.config.peer_token,
+        )
 
     @property
     def state(self) -> State:

@@ -33,19 +33,25 @@ class ExoNode:
     # Where the test process reaches the API (a network namespace's address for nodes
     # started by tests/support/cluster.py's netns harness).
     host: str = "127.0.0.1"
+    # Sent as a Bearer token by the helpers below, for a node started with --api-key.
+    api_key: str | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.api_port}"
 
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def get(self, path: str, **kwargs) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=30, **kwargs)
+        return httpx.get(self.url + path, timeout=30, **{"headers": self.headers, **kwargs})
 
     def post(self, path: str, **kwargs) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=30, **kwargs)
+        return httpx.post(self.url + path, timeout=30, **{"headers": self.headers, **kwargs})
 
     def delete(self, path: str) -> httpx.Response:
-        return httpx.delete(self.url + path, timeout=30)
+        return httpx.delete(self.url + path, timeout=30, headers=self.headers)
 
     def state(self) -> dict:
         response = self.get("/state")
@@ -73,7 +79,11 @@ class ExoNode:
         assert response.status_code == 200, response.text
         instance_id = response.json()["instance_id"]
         with httpx.stream(
-            "GET", f"{self.url}/instance/await", params={"instance_id": instance_id}, timeout=timeout
+            "GET",
+            f"{self.url}/instance/await",
+            params={"instance_id": instance_id},
+            headers=self.headers,
+            timeout=timeout,
         ) as stream:
             events = [line for line in stream.iter_lines() if line.startswith("event:")]
         assert events[-1] == "event: ready", f"instance did not become ready: {events}"

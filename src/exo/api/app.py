@@ -7,6 +7,7 @@ from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from exo.api.auth import ApiKeys
 from exo.api.errors import (
     ApiError,
     api_error_handler,
@@ -29,6 +30,8 @@ def create_app(port: ClusterPort) -> FastAPI:
     # The last one added runs first: the log sees every answer, the size limit's 413 too.
     app.add_middleware(JsonBodies)
     app.add_middleware(RequestSizeLimit, limit=max_request_bytes())
+    # Inside CORS, so a browser's preflight is answered and a 401 carries CORS headers.
+    app.add_middleware(ApiKeys, keys=port.settings.api_keys, peer_token=port.settings.peer_token)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(RequestLog)
     app.add_exception_handler(ApiError, api_error_handler)

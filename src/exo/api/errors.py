@@ -42,6 +42,8 @@ def _error_type(status_code: int) -> str:
 
 
 def _anthropic_error_type(status_code: int) -> str:
+    if status_code == 401:
+        return "authentication_error"
     if status_code == 404:
         return "not_found_error"
     if status_code == 413:

@@ -5,7 +5,7 @@ election. Routers get the port through FastAPI's `Depends` (see `ClusterDep`).""
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Protocol
 
@@ -28,6 +28,10 @@ class ApiSettings:
     # How long a request whose instance went away before its first token waits for
     # another instance of the model (the master re-places a lost one) before a 503.
     reroute_seconds: float = 60.0
+    # --api-key: every request but the health check carries one of these (api/auth.py).
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # What the other nodes of the cluster present on the peer endpoints.
+    peer_token: str | None = field(default=None, repr=False)
 
 
 class ClusterPort(Protocol):

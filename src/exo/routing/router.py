@@ -5,6 +5,7 @@ them."""
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, Protocol
@@ -50,6 +51,10 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+# At most one "unreadable" warning this often: a node of another cluster (one with a
+# cluster secret, when this one has none) sends several a second.
+UNREADABLE_WARN_SECONDS = 30.0
+
 # Topics only the master reads: with no master elected yet, nobody would hear them.
 TO_MASTER = (Topic.COMMANDS, Topic.LOCAL_EVENTS)
 
@@ -62,6 +67,7 @@ class Router:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Messages for the master, held until one is elected.
         self._held: list[tuple[Topic, Any]] | None = []
+        self._unreadable_warned_at = -UNREADABLE_WARN_SECONDS
 
     def master_elected(self) -> None:
         """Send what was held for the master, and from now on send at once."""
@@ -106,7 +112,11 @@ class Router:
                 return
             message = adapter(topic).validate_python(envelope["body"])
         except (ValueError, KeyError, ValidationError) as error:
-            logger.warning(f"dropping unreadable {topic} message: {error}")
+            if time.monotonic() - self._unreadable_warned_at >= UNREADABLE_WARN_SECONDS:
+                self._unreadable_warned_at = time.monotonic()
+                logger.warning(
+                    f"dropping unreadable {topic} message (another exo version, or a cluster secret?): {error}"
+                )
             return
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._deliver, topic, message)

@@ -88,8 +88,11 @@ class Worker:
         api_port: int,
         verbose: bool,
         offline: bool = False,
+        peer_token: str | None = None,
     ) -> None:
         self.node_id = node_id
+        # Presented on the other nodes' peer endpoints when their API needs a key.
+        self.peer_token = peer_token
         self.router = router
         self.replica = replica
         self.exo_home = exo_home
@@ -127,7 +130,8 @@ class Worker:
         await asyncio.gather(self._report_node_info(), self._plan_loop(), self._probe_links())
 
     async def _probe_links(self) -> None:
-        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_SECONDS) as client:
+        headers = {"Authorization": f"Bearer {self.peer_token}"} if self.peer_token else None
+        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_SECONDS, headers=headers) as client:
             while True:
                 await asyncio.sleep(LINK_PROBE_INTERVAL_SECONDS)
                 state = self.replica.state
@@ -297,7 +301,12 @@ class Worker:
         target = download_dir(self.exo_home, model_id)
         try:
             path = await download_model(
-                model_id, target, on_progress, layers=layers, peers=self._peers_holding(model_id)
+                model_id,
+                target,
+                on_progress,
+                layers=layers,
+                peers=self._peers_holding(model_id),
+                peer_token=self.peer_token,
             )
             outcome: DownloadProgress = _completed(path, None if is_complete_model_dir(path) else layers)
         except DownloadError as error:

@@ -4,6 +4,7 @@ import {
   foldChatStream,
   formatBytes,
   instanceRows,
+  keyedFetch,
   linkRows,
   nodeName,
   nodeRows,
@@ -15,6 +16,10 @@ import {
 } from "./view.mjs";
 
 const $ = (id) => document.getElementById(id);
+// Every call to the API carries the key the node asked for (--api-key), if it asks.
+const api = keyedFetch(window.fetch.bind(window), window.localStorage, (refused) =>
+  window.prompt(refused ? "That API key was refused. The exo API key:" : "This exo node needs its API key:"),
+);
 let state = null;
 let models = [];
 const history = [];
@@ -111,7 +116,7 @@ function renderNodes() {
 }
 
 async function deleteInstance(instanceId) {
-  const response = await fetch(`/instance/${instanceId}`, { method: "DELETE" });
+  const response = await api(`/instance/${instanceId}`, { method: "DELETE" });
   if (!response.ok) $("place-message").textContent = await apiError(response);
 }
 
@@ -181,7 +186,7 @@ function render() {
 
 async function poll() {
   try {
-    const response = await fetch("/state");
+    const response = await api("/state");
     if (!response.ok) throw new Error(await apiError(response));
     state = await response.json();
     $("connection").textContent = "online";
@@ -195,7 +200,7 @@ async function poll() {
 }
 
 async function loadModels() {
-  const response = await fetch("/v1/models");
+  const response = await api("/v1/models");
   if (response.ok) {
     models = (await response.json()).data;
     fillSelect(
@@ -215,7 +220,7 @@ function placementQuery() {
 
 async function showPreviews() {
   const query = new URLSearchParams(placementQuery());
-  const response = await fetch(`/instance/previews?${query}`);
+  const response = await api(`/instance/previews?${query}`);
   if (!response.ok) {
     $("place-message").textContent = await apiError(response);
     return;
@@ -238,7 +243,7 @@ async function showPreviews() {
 
 async function place(event) {
   event.preventDefault();
-  const response = await fetch("/place_instance", {
+  const response = await api("/place_instance", {
     method: "POST",
     headers: { "Content-Type": "application/json" },
     body: JSON.stringify(placementQuery()),
@@ -250,7 +255,7 @@ async function addFromHub(event) {
   event.preventDefault();
   const modelId = $("add-model").value.trim();
   $("place-message").textContent = `reading ${modelId} from the hub…`;
-  const response = await fetch("/models/add", {
+  const response = await api("/models/add", {
     method: "POST",
     headers: { "Content-Type": "application/json" },
     body: JSON.stringify({ model_id: modelId }),
@@ -303,7 +308,7 @@ async function sendChat(event) {
   let firstToken = null;
   let reply = {};
   try {
-    const response = await fetch("/v1/chat/completions", {
+    const response = await api("/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ model, messages: history, stream: true, stream_options: { include_usage: true } }),

@@ -243,3 +243,28 @@ export function topologyLayout(state, size = 320) {
   }));
   return { size, nodes, edges };
 }
+
+// A fetch that sends the node's API key (--api-key) kept in `storage` (the browser's
+// localStorage) and, on a 401, asks for it once (`askKey(refusedKey)`; concurrent calls
+// share the question), keeps it and tries again. Declined once, it asks no more.
+export function keyedFetch(fetchFn, storage, askKey, keyName = "exo-api-key") {
+  let asking = null;
+  let declined = false;
+  return async function api(path, options = {}) {
+    for (let attempt = 0; ; attempt++) {
+      const key = storage.getItem(keyName);
+      const headers = { ...(options.headers ?? {}), ...(key ? { Authorization: `Bearer ${key}` } : {}) };
+      const response = await fetchFn(path, { ...options, headers });
+      if (response.status !== 401 || attempt > 0 || declined) return response;
+      asking ??= Promise.resolve(askKey(key)).finally(() => {
+        asking = null;
+      });
+      const given = (await asking)?.trim();
+      if (!given) {
+        declined = true;
+        return response;
+      }
+      storage.setItem(keyName, given);
+    }
+  };
+}

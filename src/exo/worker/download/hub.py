@@ -11,7 +11,7 @@ import email.utils
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from urllib.parse import quote
 
@@ -62,8 +62,28 @@ def hub_endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 
 
-def client() -> httpx.Client:
-    return httpx.Client(headers=build_hf_headers(library_name="exo"), timeout=TIMEOUT, follow_redirects=True)
+class _PeerAuth(httpx.Auth):
+    """A peer node's hub gets the cluster's peer token (when its API wants a key), never
+    this node's HF_TOKEN."""
+
+    def __init__(self, peer_token: str | None) -> None:
+        self.peer_token = peer_token
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        if request.url.path.startswith(PEER_HUB_PREFIX):
+            request.headers.pop("Authorization", None)
+            if self.peer_token:
+                request.headers["Authorization"] = f"Bearer {self.peer_token}"
+        yield request
+
+
+def client(peer_token: str | None = None) -> httpx.Client:
+    return httpx.Client(
+        headers=build_hf_headers(library_name="exo"),
+        auth=_PeerAuth(peer_token),
+        timeout=TIMEOUT,
+        follow_redirects=True,
+    )
 
 
 @dataclass(frozen=True)

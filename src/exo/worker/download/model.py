@@ -269,13 +269,15 @@ async def download_model(
     endpoint: str | None = None,
     layers: tuple[int, int] | None = None,
     peers: Mapping[str, frozenset[str]] | None = None,
+    peer_token: str | None = None,
 ) -> Path:
     """Downloads `model_id` ("org/name") into `target_dir/org--name` and returns that dir;
     with `layers` [start, end), only the weight files those layers need, and returns the
     partial dir holding them unless that makes the model whole. `peers`: endpoints of
     other nodes' peer hubs (api/peer_files.py), each with the files it holds; a file is
     taken from a peer holding it before the hub, and checked against the hub's hashes
-    (the peers' own listing when the hub does not answer).
+    (the peers' own listing when the hub does not answer); `peer_token` is what the
+    peers' APIs want when they need a key.
 
     Calls on_progress(downloaded_bytes, total_bytes, bytes_per_second) at the start, every
     POLL_SECONDS while a file downloads, after each file and at the end (downloaded ==
@@ -301,7 +303,7 @@ async def download_model(
                     f"{final_dir} exists but is not a complete model dir; remove it to download {model_id} again"
                 )
             _check_online(model_id)
-            with client() as http:
+            with client(peer_token) as http:
                 sources = _Sources(http, model_id, endpoint, dict(peers or {}))
                 return await _download(sources, partial_dir, final_dir, on_progress, layers, cancel)
         except OSError as error:

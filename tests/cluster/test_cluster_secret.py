@@ -1,0 +1,115 @@
+"""--cluster-secret on real nodes over loopback: two nodes given the same secret (and
+different API keys) form a cluster, measure their links through each other's keyed API
+and serve a chat across nodes; a node with another secret and one with none, both
+bootstrapped at the cluster and started with --force-master, never appear in its State,
+see none of it, and what they publish (heartbeats claiming the master, a placement) is
+not accepted. A capture of loopback during the chat finds the prompt on the client's
+HTTP connection only, never on the cluster transport's connections."""
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from exo.routing.seal import MAGIC, peer_token
+from exo.worker.download import hub
+from tests.support.capture import capture_unavailable_reason, loopback_capture
+from tests.support.cluster import ClusterNode, loopback_cluster, wait_converged
+from tests.support.node import TINY_MODEL_ID
+
+PROMPT = f"the purple elephant negotiates at midnight {uuid.uuid4().hex[:8]}"
+# Heartbeats go out every 0.5 s: an outsider that could join would have within this.
+OUTSIDER_SECONDS = 8
+
+
+def runs_on(state: dict, instance_id: str) -> set[str]:
+    return set(state["instances"][instance_id]["shardAssignments"]["nodeToRunner"])
+
+
+def links(state: dict) -> set[tuple[str, str]]:
+    return {(c["source"], c["sink"]) for c in state["topology"]["connections"]}
+
+
+def test_only_nodes_with_the_secret_join_and_nothing_crosses_in_clear(tmp_path, tiny_models_dir, monkeypatch):
+    reason = capture_unavailable_reason()
+    if reason is not None:
+        pytest.fail(f"this test captures loopback packets: {reason}")
+    secret = uuid.uuid4().hex
+    keys = [f"key-a-{uuid.uuid4().hex}", f"key-b-{uuid.uuid4().hex}"]
+    env = {"EXO_MODELS_DIRS": str(tiny_models_dir)}
+    with loopback_cluster(1, tmp_path, env, args=("--cluster-secret", secret, "--api-key", keys[0])) as cluster:
+        cluster.add_node(args=("--cluster-secret", secret, "--api-key", keys[1]))
+        members: list[ClusterNode] = list(cluster)
+        for node, key in zip(members, keys, strict=True):
+            node.api_key = key
+        states = wait_converged(members)
+        ids = {node.node_id() for node in members}
+        master = states[0]["masterNodeId"]
+
+        # Links are measured through the peers' keyed APIs with the token from the secret.
+        deadline = time.monotonic() + 30
+        while links(members[0].state()) != {(a, b) for a in ids for b in ids if a != b}:
+            assert time.monotonic() < deadline, f"links not measured: {members[0].state()['topology']}"
+            time.sleep(0.5)
+        token = peer_token(secret)
+        peer_listing = f"{members[1].url}/peer-hub/api/models/{TINY_MODEL_ID}/revision/main"
+        monkeypatch.setenv("HF_TOKEN", "hf_this_must_not_reach_a_peer")
+        with hub.client(token) as http:
+            assert http.get(peer_listing).status_code in (200, 404)  # past the key check
+            assert http.get(f"{members[1].url}/state").status_code == 401  # the token opens peer paths only
+        with hub.client(None) as http:
+            refused = http.get(peer_listing)
+            # The downloader's HF_TOKEN was not sent to the peer: no key at all was presented.
+            assert refused.status_code == 401 and "needs an API key" in refused.text
+
+        instance_id = members[0].place(TINY_MODEL_ID)
+        [runner_node] = runs_on(members[0].state(), instance_id)
+        client_node = next(node for node in members if node.node_id() != runner_node)
+
+        other = cluster.add_node(args=("--cluster-secret", "another-secret", "--force-master"))
+        plain = cluster.add_node(args=("--force-master",))
+        outsiders = [other, plain]
+        time.sleep(OUTSIDER_SECONDS)
+
+        after = wait_converged(members)
+        for state in after:
+            assert set(state["nodes"]) == ids and state["masterNodeId"] == master
+            assert set(state["instances"]) == {instance_id}
+        for outsider in outsiders:
+            own = outsider.node_id()
+            seen = outsider.state()
+            assert set(seen["nodes"]) <= {own} and seen["masterNodeId"] in (own, None), seen["nodes"]
+            assert not seen["instances"] and not set(seen["downloads"]) & ids
+        # An outsider's own placement is accepted by its own master only.
+        plain.wait_for_state(lambda s: plain.node_id() in s["nodes"], what="the outsider in its own topology")
+        response = plain.post("/place_instance", json={"model_id": TINY_MODEL_ID})
+        assert response.status_code == 200, response.text
+        foreign_instance = response.json()["instance_id"]
+        plain.wait_for_state(lambda s: foreign_instance in s["instances"], what="the outsider's own instance")
+
+        transport_ports = [node.listen_port for node in cluster]
+        with loopback_capture([*transport_ports, client_node.api_port]) as capture:
+            body = {"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8}
+            chat = httpx.post(
+                f"{client_node.url}/v1/chat/completions", json=body, headers=client_node.headers, timeout=60
+            )
+            assert chat.status_code == 200, chat.text
+            time.sleep(1)
+        reply = chat.json()["choices"][0]["message"]["content"]
+        transport = capture.streams(transport_ports)
+        assert sum(len(s) for s in transport) > 1000 and any(MAGIC in s for s in transport)
+        assert not any(PROMPT.encode() in s for s in transport)
+        if len(reply) >= 8:
+            assert not any(reply.encode() in s for s in transport)
+        # The control: the capture does see the prompt where it travels in clear.
+        assert any(PROMPT.encode() in s for s in capture.streams([client_node.api_port]))
+
+        for state in wait_converged(members):
+            assert set(state["instances"]) == {instance_id} and set(state["nodes"]) == ids
+        member_logs = "".join(node.logs() for node in members)
+        assert "not sealed (a node without a cluster secret?)" in member_logs
+        assert "does not authenticate (a node with another cluster secret?)" in member_logs
+        assert "dropping unreadable" in plain.logs()
+        for node in cluster:
+            assert secret not in node.logs() and all(key not in node.logs() for key in keys)
