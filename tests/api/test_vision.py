@@ -1,11 +1,12 @@
-"""Images through a real node, checked against transformers: a tiny random Gemma 4 VLM of
-the E2B/E4B layout (devtools/tiny_vlms.py: made with transformers, sharp weights), a text
-+ image prompt sent with the official SDKs. The first token's log-probabilities through
-/v1/chat/completions equal transformers' forward over its own processing of the same
-image (its image processor, its tokenizer) within 1e-3; a different image gives its own
-numbers; the same image again is a prefix-cache hit; a prefill chunk boundary falls
-inside the image's run of tokens. Claude, Responses and Ollama give the same answer.
-Bad images are a 400 in each API's own shape and the node keeps serving."""
+"""Images through a real node, checked against transformers: tiny random VLMs of Gemma 4
+(the E2B/E4B layout) and Qwen2.5-VL (devtools/tiny_vlms.py: made with transformers, sharp
+weights), a text + image prompt sent with the official SDKs. The top-20 log-probabilities
+of 4 greedy tokens through /v1/chat/completions equal transformers' forward over its own
+processing of the same image (its image processor, its tokenizer) within 1e-3; a
+different image gives its own numbers; the same image again is a prefix-cache hit; a
+prefill chunk boundary falls inside the image's run of tokens. Claude, Responses and
+Ollama give the same answer. Bad images are a 400 in each API's own shape and the node
+keeps serving."""
 
 import base64
 import http.server
@@ -21,16 +22,18 @@ import openai
 import pytest
 from PIL import Image
 
-from exo.devtools.tiny_vlms import gemma4_reference
-from tests.support.images import VLM_MODEL_ID, VLM_QUESTION, noise_png, vlm_models_dir
+from exo.devtools.tiny_vlms import vlm_reference
+from tests.support.images import VLM_MODELS, VLM_QUESTION, noise_png, vlm_models_dir
 from tests.support.node import ExoNode, running_node
 
-MODEL_ID = VLM_MODEL_ID
+MODEL_ID = VLM_MODELS["gemma4_vlm"]
+FAMILIES = list(VLM_MODELS)
 QUESTION = VLM_QUESTION
 TOLERANCE = 1e-3
 TOP = 20
 STEPS = 4
-# A 96x96 image is 64 soft tokens; chunks of 32 put boundaries inside its run.
+# A 96x96 image is 64 soft tokens for Gemma 4, 144 for Qwen2.5-VL; chunks of 32 put
+# boundaries inside its run.
 PREFILL_STEP = 32
 
 
@@ -42,18 +45,25 @@ def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return vlm_models_dir(tmp_path_factory.mktemp("vlm-models"))
 
 
+Reference = tuple[list[int], list[list[float]]]
+
+
 @pytest.fixture(scope="module")
-def references(vlm_dir: Path) -> dict[str, tuple[list[int], list[list[float]]]]:
-    path = vlm_dir / MODEL_ID.replace("/", "--")
+def references(vlm_dir: Path) -> dict[tuple[str, str], Reference]:
+    """transformers' prompt ids and greedy logprobs, per (family, image)."""
     return {
-        name: gemma4_reference(path, QUESTION, Image.open(io.BytesIO(data)), STEPS) for name, data in IMAGES.items()
+        (family, name): vlm_reference(
+            vlm_dir / VLM_MODELS[family].replace("/", "--"), QUESTION, Image.open(io.BytesIO(data)), STEPS
+        )
+        for family in FAMILIES
+        for name, data in IMAGES.items()
     }
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, vlm_dir: Path) -> Iterator[ExoNode]:
     env = {"EXO_MODELS_DIRS": str(vlm_dir), "EXO_PREFILL_STEP": str(PREFILL_STEP), "EXO_MAX_IMAGES": "3"}
-    with running_node(tmp_path_factory.mktemp("vlm-home"), env, models=[MODEL_ID]) as exo:
+    with running_node(tmp_path_factory.mktemp("vlm-home"), env, models=list(VLM_MODELS.values())) as exo:
         yield exo
 
 
@@ -65,10 +75,10 @@ def _openai(node: ExoNode) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0)
 
 
-def _ask(node: ExoNode, url: str, max_tokens: int = 1):
+def _ask(node: ExoNode, url: str, max_tokens: int = 1, model: str = MODEL_ID):
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
     return _openai(node).chat.completions.create(
-        model=MODEL_ID,
+        model=model,
         messages=[{"role": "user", "content": content}],
         max_tokens=max_tokens,
         temperature=0,
@@ -77,45 +87,57 @@ def _ask(node: ExoNode, url: str, max_tokens: int = 1):
     )
 
 
-def _first_token_diff(completion, expected: list[float]) -> float:
-    entry = completion.choices[0].logprobs.content[0]
+def _first_token_diff(completion, expected: list[float], step: int = 0) -> float:
+    entry = completion.choices[0].logprobs.content[step]
     reference = np.sort(np.array(expected))[::-1][:TOP]
     served = np.array([alt.logprob for alt in entry.top_logprobs])
     assert len(served) == TOP
     return float(max(np.abs(served - reference).max(), abs(entry.logprob - reference[0])))
 
 
-def _greedy_text(node: ExoNode, vlm_dir: Path, name: str, references) -> str:
+def _steps_diff(completion, reference: Reference) -> float:
+    """Over every greedy step: decoding after the image goes through the cache (and
+    Qwen2.5-VL's positions there are the index plus the image's delta)."""
+    assert len(completion.choices[0].logprobs.content) == STEPS
+    return max(_first_token_diff(completion, expected, step) for step, expected in enumerate(reference[1]))
+
+
+def _greedy_text(vlm_dir: Path, family: str, reference: Reference) -> str:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(vlm_dir / MODEL_ID.replace("/", "--"))
-    tokens = [int(np.argmax(step)) for step in references[name][1]]
-    return tokenizer.decode(tokens)
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir / VLM_MODELS[family].replace("/", "--"))
+    return tokenizer.decode([int(np.argmax(step)) for step in reference[1]])
 
 
-def test_first_token_logprobs_equal_transformers_for_each_image(node: ExoNode, references) -> None:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logprobs_equal_transformers_for_each_image(node: ExoNode, references, family: str) -> None:
+    model = VLM_MODELS[family]
     diffs = {}
     for name, data in IMAGES.items():
-        completion = _ask(node, _data_url(data))
-        ids, logprobs = references[name]
-        diffs[name] = _first_token_diff(completion, logprobs[0])
+        completion = _ask(node, _data_url(data), STEPS, model=model)
+        ids, _ = references[family, name]
+        diffs[name] = _steps_diff(completion, references[family, name])
         # The image's soft tokens count as prompt tokens.
         assert completion.usage.prompt_tokens == len(ids)
-    print(f"max |logprob diff| per image: {diffs}")
+    print(f"{family}: max |logprob diff| per image: {diffs}")
     assert max(diffs.values()) <= TOLERANCE
     # Different images, different numbers: the cache did not serve one for the other.
-    assert np.abs(np.array(references["first"][1][0]) - np.array(references["second"][1][0])).max() > 0.01
-    again = _ask(node, _data_url(IMAGES["first"]))
-    assert again.usage.prompt_tokens_details.cached_tokens > len(references["first"][0]) // 2
-    assert _first_token_diff(again, references["first"][1][0]) <= TOLERANCE
+    first, second = (np.array(references[family, name][1][0]) for name in IMAGES)
+    assert np.abs(first - second).max() > 0.01
+    again = _ask(node, _data_url(IMAGES["first"]), model=model)
+    assert again.usage.prompt_tokens_details.cached_tokens > len(references[family, "first"][0]) // 2
+    assert _first_token_diff(again, references[family, "first"][1][0]) <= TOLERANCE
 
 
-def test_every_api_gives_the_same_answer(node: ExoNode, vlm_dir: Path, references) -> None:
-    expected = _greedy_text(node, vlm_dir, "second", references)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_api_gives_the_same_answer(node: ExoNode, vlm_dir: Path, references, family: str) -> None:
+    """Greedy for STEPS tokens, through each API."""
+    model = VLM_MODELS[family]
+    expected = _greedy_text(vlm_dir, family, references[family, "second"])
     data = IMAGES["second"]
-    chat = _ask(node, _data_url(data), STEPS).choices[0].message.content
+    chat = _ask(node, _data_url(data), STEPS, model=model).choices[0].message.content
     claude = anthropic.Anthropic(base_url=node.url, api_key="unused", max_retries=0).messages.create(
-        model=MODEL_ID,
+        model=model,
         max_tokens=STEPS,
         # This SDK release no longer takes temperature as an argument.
         extra_body={"temperature": 0},
@@ -133,7 +155,7 @@ def test_every_api_gives_the_same_answer(node: ExoNode, vlm_dir: Path, reference
         ],
     )
     responses = _openai(node).responses.create(
-        model=MODEL_ID,
+        model=model,
         max_output_tokens=STEPS,
         temperature=0,
         input=[
@@ -147,7 +169,7 @@ def test_every_api_gives_the_same_answer(node: ExoNode, vlm_dir: Path, reference
         ],
     )
     olla = ollama.Client(host=f"{node.url}/ollama").chat(
-        model=MODEL_ID,
+        model=model,
         messages=[{"role": "user", "content": QUESTION, "images": [base64.b64encode(data).decode()]}],
         options={"temperature": 0, "num_predict": STEPS},
     )
@@ -157,9 +179,9 @@ def test_every_api_gives_the_same_answer(node: ExoNode, vlm_dir: Path, reference
         "responses": responses.output_text,
         "ollama": olla.message.content,
     }
-    print(f"transformers' greedy answer {expected!r}; served {answers}")
+    print(f"{family}: transformers' greedy answer {expected!r}; served {answers}")
     assert all(answer == expected for answer in answers.values()), answers
-    assert claude.usage.input_tokens == len(references["second"][0])
+    assert claude.usage.input_tokens == len(references[family, "second"][0])
 
 
 class _ImageServer(http.server.BaseHTTPRequestHandler):
@@ -188,7 +210,7 @@ def image_server() -> Iterator[str]:
 
 def test_an_http_image_is_fetched_by_the_node(node: ExoNode, image_server: str, references) -> None:
     completion = _ask(node, f"{image_server}/cat.png")
-    assert _first_token_diff(completion, references["first"][1][0]) <= TOLERANCE
+    assert _first_token_diff(completion, references["gemma4_vlm", "first"][1][0]) <= TOLERANCE
 
 
 def _chat_body(*parts: dict) -> dict:

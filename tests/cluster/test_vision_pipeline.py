@@ -1,7 +1,8 @@
-"""Images on a 2-node pipeline: the tiny Gemma 4 VLM (E2B/E4B layout) split across two
-real nodes on 127.0.0.1. Rank 0 alone runs the vision tower and sends the features to
-rank 1 (Gemma 4's per-layer inputs are projected from the embeddings, so rank 1 needs
-them too); the image bytes are not broadcast to rank 1. The first token's top-20
+"""Images on a 2-node pipeline: the tiny Gemma 4 VLM (E2B/E4B layout) and Qwen2.5-VL split
+across two real nodes on 127.0.0.1. Rank 0 alone runs the vision tower and sends the
+features to rank 1 (Gemma 4's per-layer inputs are projected from the embeddings, so rank
+1 needs them too), with Qwen2.5-VL's 3-D positions; the image bytes are not broadcast to
+rank 1. The first token's top-20
 log-probabilities, sent with the openai SDK as a data URL, equal transformers' forward
 within 1e-3, for two different images, with prefill chunks whose boundaries fall inside
 the image's run."""
@@ -17,11 +18,10 @@ import openai
 import pytest
 from PIL import Image
 
-from exo.devtools.tiny_vlms import gemma4_reference
+from exo.devtools.tiny_vlms import vlm_reference
 from tests.support.cluster import Cluster, loopback_cluster, wait_converged
-from tests.support.images import VLM_MODEL_ID, VLM_QUESTION, noise_png, vlm_models_dir
+from tests.support.images import VLM_MODELS, VLM_QUESTION, noise_png, vlm_models_dir
 
-MODEL_ID = VLM_MODEL_ID
 QUESTION = VLM_QUESTION
 TOLERANCE = 1e-3
 TOP = 20
@@ -43,8 +43,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, vlm_dir: Path) -> Iterator
         yield nodes
 
 
-def _place_pipeline(node) -> None:
-    body = {"model_id": MODEL_ID, "sharding": "Pipeline", "min_nodes": 2}
+def _place_pipeline(node, model: str) -> str:
+    body = {"model_id": model, "sharding": "Pipeline", "min_nodes": 2}
     response = node.post("/place_instance", json=body)
     assert response.status_code == 200, response.text
     params = {"instance_id": response.json()["instance_id"]}
@@ -53,20 +53,23 @@ def _place_pipeline(node) -> None:
     assert "event: ready" in events, events[-4:]
     instance = node.get(f"/instance/{params['instance_id']}").json()
     assert len(instance["shardAssignments"]["nodeToRunner"]) == 2
+    return params["instance_id"]
 
 
-def test_pipeline_logprobs_equal_transformers(cluster: Cluster, vlm_dir: Path) -> None:
-    _place_pipeline(cluster[0])
-    path = vlm_dir / MODEL_ID.replace("/", "--")
+@pytest.mark.parametrize("family", list(VLM_MODELS))
+def test_pipeline_logprobs_equal_transformers(cluster: Cluster, vlm_dir: Path, family: str) -> None:
+    model = VLM_MODELS[family]
+    instance_id = _place_pipeline(cluster[0], model)
+    path = vlm_dir / model.replace("/", "--")
     diffs = {}
     for index, (name, data) in enumerate(IMAGES.items()):
-        ids, logprobs = gemma4_reference(path, QUESTION, Image.open(io.BytesIO(data)))
+        ids, logprobs = vlm_reference(path, QUESTION, Image.open(io.BytesIO(data)))
         url = "data:image/png;base64," + base64.b64encode(data).decode()
         content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
         # Asked of either node: the chunks cross the cluster to the one that was asked.
         sdk = openai.OpenAI(base_url=f"{cluster[index % 2].url}/v1", api_key="unused", max_retries=0, timeout=240)
         completion = sdk.chat.completions.create(
-            model=MODEL_ID,
+            model=model,
             messages=[{"role": "user", "content": content}],
             max_tokens=1,
             temperature=0,
@@ -78,5 +81,7 @@ def test_pipeline_logprobs_equal_transformers(cluster: Cluster, vlm_dir: Path) -
         served = np.array([alt.logprob for alt in entry.top_logprobs])
         diffs[name] = float(np.abs(served - reference).max())
         assert completion.usage.prompt_tokens == len(ids)
-    print(f"2-node pipeline, max |logprob diff| per image: {diffs}")
+    print(f"{family} on a 2-node pipeline, max |logprob diff| per image: {diffs}")
+    assert cluster[0].delete(f"/instance/{instance_id}").status_code == 200
+    cluster[0].wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=60, what="instances gone")
     assert max(diffs.values()) <= TOLERANCE

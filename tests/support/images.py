@@ -16,11 +16,13 @@ def noise_png(seed: int, size: tuple[int, int] = (96, 96)) -> bytes:
     return out.getvalue()
 
 
-VLM_MODEL_ID = "acme/gemma4-vlm-tiny"
+# The tiny VLMs (devtools/tiny_vlms.py) by the model id tests serve them as.
+VLM_MODELS = {"gemma4_vlm": "acme/gemma4-vlm-tiny", "qwen2_5_vl": "acme/qwen2.5-vl-tiny"}
 VLM_QUESTION = "what is in the picture"
 
 
-def vlm_models_dir(root: Path) -> Path:
-    """A models dir under `root` holding the tiny Gemma 4 VLM as VLM_MODEL_ID."""
-    make_tiny_vlm(root / VLM_MODEL_ID.replace("/", "--"), "gemma4_vlm")
+def vlm_models_dir(root: Path, names: tuple[str, ...] = tuple(VLM_MODELS)) -> Path:
+    """A models dir under `root` holding the tiny VLMs `names`."""
+    for name in names:
+        make_tiny_vlm(root / VLM_MODELS[name].replace("/", "--"), name)
     return root

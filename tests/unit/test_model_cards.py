@@ -398,7 +398,8 @@ def test_a_derived_card_says_vision_only_where_exo_runs_it(tmp_path):
         # 26B-A4B / 31B: image tokens attend both ways on sliding layers, not run yet.
         "big": ({**base, "text_config": {**text, "use_bidirectional_attention": "vision"}}, ["text"]),
         "notoken": ({k: v for k, v in base.items() if k != "image_token_id"}, ["text"]),
-        "qwen": ({**base, "model_type": "qwen2_5_vl"}, ["text"]),
+        "qwen": ({**base, "model_type": "qwen2_5_vl"}, ["text", "vision"]),
+        "qwen3": ({**base, "model_type": "qwen3_vl"}, ["text"]),
     }
     for name, (config, capabilities) in layouts.items():
         write_tiny_model(tmp_path / f"acme--{name}", config)

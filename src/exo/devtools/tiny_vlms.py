@@ -8,6 +8,7 @@ beside them. AutoProcessor is never used: it wants torchvision for the video pro
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,47 @@ GEMMA4_VISION = {
 # The smallest budget transformers' Gemma 4 processors accept.
 GEMMA4_MAX_SOFT_TOKENS = 70
 
-TINY_VLMS = ("gemma4_vlm",)
+# Qwen2.5-VL's tokens for images (the placeholder the template writes is the pad token,
+# between vision_start and vision_end; the processor repeats it per merged patch).
+QWEN_VL_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "vision_start_token": "<|vision_start|>",
+    "vision_end_token": "<|vision_end|>",
+    "video_token": "<|video_pad|>",
+}
+# The tower's structure (window attention blocks, one full-attention block, a 2x2 patch
+# merger into the text width), patches of 4 pixels: a 96x96 image is 24x24 patches,
+# 144 tokens after merging.
+QWEN_VL_VISION = {
+    "depth": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "patch_size": 4,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "window_size": 32,
+    "fullatt_block_indexes": [1],
+    "out_hidden_size": 64,
+    "initializer_range": INIT_STD,
+}
+QWEN_VL_TEXT = {
+    "model_type": "qwen2_5_vl_text",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "initializer_range": INIT_STD,
+    "tie_word_embeddings": False,
+}
+# head_dim 16: 8 rotary frequencies, split between time, height and width.
+QWEN_VL_ROPE = {"type": "mrope", "mrope_section": [2, 3, 3]}
+QWEN_VL_ROPE_THETA = 10000.0
+
+TINY_VLMS = ("gemma4_vlm", "qwen2_5_vl")
 
 
 def _write_vlm_tokenizer(path: Path, tokens: dict[str, str], placeholder: str) -> dict[str, int]:
@@ -144,8 +185,61 @@ def make_tiny_gemma4_vlm(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def make_tiny_qwen2_5_vl(path: Path, seed: int = 0) -> Path:
+    """Qwen2.5-VL: a Qwen2 language model with 3-D rotary positions (M-RoPE) and the
+    window-attention vision tower whose merger projects into the text width."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    path = Path(path)
+    ids = _write_vlm_tokenizer(path, QWEN_VL_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>")
+    rope = {"rope_type": "default", "rope_theta": QWEN_VL_ROPE_THETA, "mrope_section": QWEN_VL_ROPE["mrope_section"]}
+    text = {
+        **QWEN_VL_TEXT,
+        "vocab_size": ids["vocab_size"],
+        "rope_parameters": rope,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=dict(QWEN_VL_VISION),
+        image_token_id=ids["image_token"],
+        video_token_id=ids["video_token"],
+        vision_start_token_id=ids["vision_start_token"],
+        vision_end_token_id=ids["vision_end_token"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    _sharpen(model, seed)
+    model.save_pretrained(path)
+    # As the hub's checkpoints write it: rope_theta and rope_scaling, which mlx-lm reads.
+    saved = json.loads((path / "config.json").read_text())
+    text_saved = {**saved["text_config"], "rope_theta": QWEN_VL_ROPE_THETA, "rope_scaling": QWEN_VL_ROPE}
+    _update_config(path, vocab_size=ids["vocab_size"], text_config=text_saved)
+    processor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "patch_size": QWEN_VL_VISION["patch_size"],
+        "merge_size": QWEN_VL_VISION["spatial_merge_size"],
+        "temporal_patch_size": QWEN_VL_VISION["temporal_patch_size"],
+        "min_pixels": 16 * 16,
+        "max_pixels": 128 * 128,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "resample": 3,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    return path
+
+
 def make_tiny_vlm(path: Path, name: str, seed: int = 0) -> Path:
-    makers = {"gemma4_vlm": make_tiny_gemma4_vlm}
+    makers = {"gemma4_vlm": make_tiny_gemma4_vlm, "qwen2_5_vl": make_tiny_qwen2_5_vl}
     return makers[name](path, seed)
 
 
@@ -174,15 +268,57 @@ def gemma4_reference(path: Path, question: str, image: Any, steps: int = 1) -> t
     text = text.replace(GEMMA4_TOKENS["image_token"], GEMMA4_TOKENS["boi_token"] + run + GEMMA4_TOKENS["eoi_token"])
     ids = tokenizer(text, add_special_tokens=False).input_ids
     model = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    inputs = {"pixel_values": pixels["pixel_values"], "image_position_ids": pixels["image_position_ids"]}
+    return ids, _greedy_logprobs(lambda input_ids: model(input_ids=input_ids, **inputs).logits, ids, steps)
+
+
+def _greedy_logprobs(forward: Callable[[Any], Any], ids: list[int], steps: int) -> list[list[float]]:
+    """Log-probabilities at each greedy step, by full forwards (no cache)."""
+    import torch
+
     tokens, steps_logprobs = list(ids), []
     with torch.no_grad():
         for _ in range(steps):
-            logits = model(
-                input_ids=torch.tensor([tokens]),
-                pixel_values=pixels["pixel_values"],
-                image_position_ids=pixels["image_position_ids"],
-            ).logits[0, -1]
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            logprobs = torch.log_softmax(forward(torch.tensor([tokens]))[0, -1].float(), dim=-1)
             steps_logprobs.append(logprobs.tolist())
             tokens.append(int(logprobs.argmax()))
-    return ids, steps_logprobs
+    return steps_logprobs
+
+
+def _user_turn(tokenizer: Any, question: str) -> str:
+    content = [{"type": "image"}, {"type": "text", "text": question}]
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def qwen2_5_vl_reference(path: Path, question: str, image: Any, steps: int = 1) -> tuple[list[int], list[list[float]]]:
+    """As gemma4_reference, for Qwen2.5-VL: transformers' Qwen2-VL image processor (the
+    PIL one), the pad token repeated once per merged patch, M-RoPE positions by
+    transformers' own get_rope_index."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    saved = json.loads((Path(path) / "preprocessor_config.json").read_text())
+    keys = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "image_mean", "image_std")
+    processor = Qwen2VLImageProcessorPil(**{key: saved[key] for key in keys})
+    pixels = processor(images=[image], return_tensors="pt")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = _user_turn(tokenizer, question)
+    count = int(pixels["image_grid_thw"][0].prod()) // saved["merge_size"] ** 2
+    text = text.replace(QWEN_VL_TOKENS["image_token"], QWEN_VL_TOKENS["image_token"] * count)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    image_token = model.config.image_token_id
+    inputs = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+
+    def forward(input_ids: Any) -> Any:
+        return model(input_ids=input_ids, mm_token_type_ids=(input_ids == image_token).int(), **inputs).logits
+
+    return ids, _greedy_logprobs(forward, ids, steps)
+
+
+def vlm_reference(path: Path, question: str, image: Any, steps: int = 1) -> tuple[list[int], list[list[float]]]:
+    model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    return {"gemma4": gemma4_reference, "qwen2_5_vl": qwen2_5_vl_reference}[model_type](path, question, image, steps)

@@ -31,7 +31,15 @@ from exo.engine.mlx.constrained import GrammarProcessor, grammar_for, grammar_to
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.parallel import broadcast_bytes, connect_group, inner_model, set_pipeline_sharing
 from exo.engine.mlx.prefix_cache import PrefixCache
-from exo.engine.mlx.vision import VisionEncoder, VisionPrompt, images_of, load_vision, share_prompt
+from exo.engine.mlx.vision import (
+    VisionEncoder,
+    VisionPrompt,
+    attach_prompt_positions,
+    images_of,
+    install_rope_positions,
+    load_vision,
+    share_prompt,
+)
 from exo.engine.parsing.base import Parsed, StreamParser
 from exo.engine.parsing.output import make_output_parser, tool_format_for
 from exo.engine.parsing.reasoning import prompt_opens_reasoning
@@ -187,6 +195,8 @@ class MlxEngine:
         self.think_markers: tuple[str, str] | None = None
         self.prefix_cache: PrefixCache | None = None
         self.vision: VisionEncoder | None = None
+        # Its attention layers read 3-D rotary positions from each request's cache.
+        self.rope_positions = False
         self.pipeline_ranks = 1
         self._requests: dict[CommandId, _Request] = {}
         # Image bytes rank 0 keeps back from the ops it broadcasts: only it runs the tower.
@@ -213,6 +223,7 @@ class MlxEngine:
         self.vision = None if self.is_follower else load_vision(model_dir)
         if self.vision is not None:
             self.vision.bind(inner_model(self.model))
+        self.rope_positions = install_rope_positions(model_dir, inner_model(self.model))
         self.pipeline_ranks = shard.world_size if isinstance(shard, PipelineShardMetadata) else 1
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
         self.reasoning_dialect = shard.model_card.reasoning_dialect.value
@@ -306,6 +317,8 @@ class MlxEngine:
         assert self.prefix_cache is not None
         # All but the last prompt token are prefilled; the last starts generate_step.
         cache, cached = self.prefix_cache.fetch(key[:-1])
+        if self.rope_positions:
+            attach_prompt_positions(cache, vision)
         max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
         self._requests[op.request_id] = _Request(
             request_id=op.request_id,

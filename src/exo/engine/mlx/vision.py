@@ -26,13 +26,19 @@ from mlx_vlm.models.gemma4.config import VisionConfig as Gemma4VisionConfig
 from mlx_vlm.models.gemma4.gemma4 import MultimodalEmbedder
 from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor
 from mlx_vlm.models.gemma4.vision import VisionModel as Gemma4VisionModel
+from mlx_vlm.models.qwen2_5_vl.config import VisionConfig as QwenVisionConfig
+from mlx_vlm.models.qwen2_5_vl.vision import VisionModel as QwenVisionModel
 from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from exo.engine.mlx.mrope import RopePositions, attach_positions, image_positions, install_mrope
 from exo.engine.mlx.parallel import broadcast_bytes
 from exo.shared.models.vision import vision_runs
 from exo.shared.types.text_generation import ImageInput, TextGenerationTaskParams, image_hashes_in_order
 
-Features = Callable[[Image.Image], mx.array]
+# One image's features (tokens, text hidden) and, for the grid families, its merged
+# (rows, columns).
+Encode = Callable[[Image.Image], tuple[mx.array, tuple[int, int] | None]]
 
 
 @dataclass
@@ -42,6 +48,7 @@ class ImageRun:
     start: int
     features: mx.array  # (tokens, hidden), ready to stand in for token embeddings
     sha256: str
+    grid: tuple[int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -58,6 +65,8 @@ class VisionPrompt:
     image_token_id: int
     # What image positions read in the per-layer embedding table (Gemma 4 E2B/E4B).
     pad_token_id: int
+    # 3-D rotary positions (Qwen2.5-VL), where the family has them.
+    positions: RopePositions | None = None
 
     def chunk_inputs(self, inner: Any, start: int, end: int) -> dict[str, mx.array]:
         """The language model's inputs for prompt positions [start, end): token ids with
@@ -90,6 +99,7 @@ def share_prompt(prompt: VisionPrompt | None, group: mx.distributed.Group, strea
         fields = {"tokens": prompt.tokens, "key": prompt.key, "runs": runs}
         fields |= {"image_token_id": prompt.image_token_id, "pad_token_id": prompt.pad_token_id}
         fields["hidden"] = prompt.runs[0].features.shape[1] if prompt.runs else 0
+        fields["positions"] = None if prompt.positions is None else prompt.positions.table.tolist()
         layout = json.dumps(fields).encode()
     shared = json.loads(broadcast_bytes(layout, group, stream))
     total = sum(run["tokens"] for run in shared["runs"])
@@ -112,38 +122,45 @@ def share_prompt(prompt: VisionPrompt | None, group: mx.distributed.Group, strea
         key=shared["key"],
         image_token_id=shared["image_token_id"],
         pad_token_id=shared["pad_token_id"],
+        positions=None if shared["positions"] is None else RopePositions(np.array(shared["positions"])),
     )
+
+
+def _text_positions(start: int, count: int) -> np.ndarray:
+    return np.tile(np.arange(start, start + count), (3, 1))
+
+
+def _rope_positions(length: int, runs: list[ImageRun]) -> RopePositions:
+    """Text counts on along all three axes; an image's run spans its rows and columns
+    from where it starts, and the text after it resumes one past its largest."""
+    pieces, at, position = [], 0, 0
+    for run in runs:
+        assert run.grid is not None
+        pieces.append(_text_positions(position, run.start - at))
+        position += run.start - at
+        pieces.append(image_positions(position, *run.grid))
+        position = int(pieces[-1].max()) + 1
+        at = run.end
+    pieces.append(_text_positions(position, length - at))
+    return RopePositions(np.concatenate(pieces, axis=1))
 
 
 class VisionEncoder:
     """The vision side of one loaded model."""
 
-    def __init__(
-        self, config: dict[str, Any], tower: nn.Module, projector: nn.Module, processor: Any, dtype: mx.Dtype
-    ) -> None:
+    def __init__(self, config: dict[str, Any], encode: Encode, rope_positions: bool = False) -> None:
         self.image_token_id = int(config["image_token_id"])
         self.boi_token_id = config.get("boi_token_id")
         self.eoi_token_id = config.get("eoi_token_id")
         self.pad_token_id = int(config.get("text_config", {}).get("pad_token_id") or 0)
-        self.tower = tower
-        self.projector = projector
-        self.processor = processor
-        self.dtype = dtype  # what the tower takes its pixels in
+        self._encode = encode
+        self.rope_positions = rope_positions
         self.embed_scale = 1.0
 
     def bind(self, inner: Any) -> None:
         """Takes the language model's embedding scale (Gemma multiplies its inputs by it)."""
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
 
-    def encode(self, image: Image.Image) -> mx.array:
-        """One image's soft-token features, (tokens, text hidden)."""
-        batch, counts = self.processor(images=[image], return_tensors="np")
-        pixels = mx.array(np.asarray(batch["pixel_values"][0]))[None]
-        projected = self.projector(self.tower(pixels.astype(self.dtype)))
-        features = projected.reshape(-1, projected.shape[-1])
-        if features.shape[0] != counts[0]:
-            raise ValueError(f"the vision tower gave {features.shape[0]} soft tokens, the processor {counts[0]}")
-        return features / self.embed_scale
 
     def prepare(self, prompt: list[int], images: list[tuple[str, bytes]]) -> VisionPrompt:
         """Expands each image placeholder of `prompt` (in order) into its run of soft tokens."""
@@ -157,11 +174,12 @@ class VisionEncoder:
         for place, (sha256, data) in zip(places, images, strict=True):
             tokens += prompt[last:place]
             key += prompt[last:place]
-            features = self.encode(Image.open(io.BytesIO(data)))
+            features, grid = self._encode(Image.open(io.BytesIO(data)))
+            features = features / self.embed_scale
             if self.boi_token_id is not None:
                 tokens.append(int(self.boi_token_id))
                 key.append(int(self.boi_token_id))
-            runs.append(ImageRun(start=len(tokens), features=features, sha256=sha256))
+            runs.append(ImageRun(start=len(tokens), features=features, sha256=sha256, grid=grid))
             count = features.shape[0]
             tokens += [self.image_token_id] * count
             key += [_hash_token(sha256)] * count
@@ -172,7 +190,12 @@ class VisionEncoder:
         tokens += prompt[last:]
         key += prompt[last:]
         return VisionPrompt(
-            tokens=tokens, runs=runs, key=key, image_token_id=self.image_token_id, pad_token_id=self.pad_token_id
+            tokens=tokens,
+            runs=runs,
+            key=key,
+            image_token_id=self.image_token_id,
+            pad_token_id=self.pad_token_id,
+            positions=_rope_positions(len(tokens), runs) if self.rope_positions else None,
         )
 
 
@@ -229,11 +252,58 @@ def _gemma4(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
     dtype = tower.patch_embedder.input_proj.weight.dtype
     _load_into(projector, _weights(model_dir, ("model.embed_vision.", "embed_vision.")), config)
     processor = Gemma4ImageProcessor.from_pretrained(str(model_dir))
-    return VisionEncoder(config, tower, projector, processor, dtype)
+
+    def encode(image: Image.Image) -> tuple[mx.array, None]:
+        # One image per tower run: each has its own size and soft-token count.
+        batch, counts = processor(images=[image], return_tensors="np")
+        pixels = mx.array(np.asarray(batch["pixel_values"][0]))[None]
+        projected = projector(tower(pixels.astype(dtype)))
+        features = projected.reshape(-1, projected.shape[-1])
+        if features.shape[0] != counts[0]:
+            raise ValueError(f"the vision tower gave {features.shape[0]} soft tokens, the processor {counts[0]}")
+        return features, None
+
+    return VisionEncoder(config, encode)
+
+
+def _qwen2_5_vl(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
+    # The tower checks its model_type is the family's; HF names it by the vision part.
+    vision_config = QwenVisionConfig.from_dict({**config["vision_config"], "model_type": "qwen2_5_vl"})
+    tower = QwenVisionModel(vision_config)
+    _load_into(tower, tower.sanitize(_weights(model_dir, ("model.visual.", "visual."))), config)
+    dtype = tower.patch_embed.proj.weight.dtype
+    # transformers' image processor of the PIL kind: no torchvision.
+    processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+    merge = vision_config.spatial_merge_size
+
+    def encode(image: Image.Image) -> tuple[mx.array, tuple[int, int]]:
+        batch = processor(images=[image], return_tensors="np")
+        grid = np.asarray(batch["image_grid_thw"])
+        features = tower(mx.array(np.asarray(batch["pixel_values"])).astype(dtype), mx.array(grid))
+        _, rows, columns = (int(n) for n in grid[0])
+        return features, (rows // merge, columns // merge)
+
+    return VisionEncoder(config, encode, rope_positions=True)
 
 
 # Per config model_type (shared/models/vision.py lists them): how to build the vision side.
-_FAMILIES: dict[str, Callable[[Path, dict[str, Any]], VisionEncoder]] = {"gemma4": _gemma4}
+_FAMILIES: dict[str, Callable[[Path, dict[str, Any]], VisionEncoder]] = {
+    "gemma4": _gemma4,
+    "qwen2_5_vl": _qwen2_5_vl,
+}
+
+
+def install_rope_positions(model_dir: Path, inner: Any) -> bool:
+    """For a family whose images take 3-D rotary positions: every rank's attention layers
+    learn to read them (engine/mlx/mrope.py). True where installed."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if not vision_runs(config) or config["model_type"] != "qwen2_5_vl":
+        return False
+    return install_mrope(inner, config.get("text_config", config))
+
+
+def attach_prompt_positions(cache: list[Any], prompt: VisionPrompt | None) -> None:
+    attach_positions(cache, prompt.positions if prompt is not None else None)
 
 
 def load_vision(model_dir: Path) -> VisionEncoder | None:

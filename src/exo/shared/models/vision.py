@@ -5,7 +5,7 @@ from typing import Any
 
 # Config model_types whose vision tower, projector and processor exo wires to the
 # language model (engine/mlx/vision.py).
-VISION_MODEL_TYPES = frozenset({"gemma4"})
+VISION_MODEL_TYPES = frozenset({"gemma4", "qwen2_5_vl"})
 
 
 def vision_runs(config: dict[str, Any]) -> bool:
