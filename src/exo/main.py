@@ -15,6 +15,7 @@ sys.modules.setdefault("torch", None)  # type: ignore[assignment]
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found"
 
 from exo.node import Node, NodeConfig  # noqa: E402
+from exo.shared.cluster_secret import SECRET_ENV  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--cluster-secret",
-        default=os.environ.get("EXO_CLUSTER_SECRET") or None,
+        default=os.environ.get(SECRET_ENV) or None,
         metavar="SECRET",
         help="seal every message between nodes with this secret; only nodes given the same "
         "one form a cluster (also EXO_CLUSTER_SECRET)",
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
             f"exo: port {args.api_port} is already in use (another exo node?); "
             "give this node its own port with --api-port N"
         )
+    if args.cluster_secret:
+        # Runner processes inherit it: the MLX ring's broadcasts are sealed with it too.
+        os.environ[SECRET_ENV] = args.cluster_secret
     home = exo_home()
     home.mkdir(parents=True, exist_ok=True)
     logger.remove()

@@ -113,3 +113,37 @@ def test_only_nodes_with_the_secret_join_and_nothing_crosses_in_clear(tmp_path, 
         assert "dropping unreadable" in plain.logs()
         for node in cluster:
             assert secret not in node.logs() and all(key not in node.logs() for key in keys)
+
+
+def test_a_split_instance_carries_no_prompt_in_clear_between_its_ranks(tmp_path, tiny_models_dir):
+    """Rank 0 sends each request's start op (its messages) to the other ranks over the
+    MLX ring; with a secret those bytes are sealed too (engine/mlx/parallel.py)."""
+    reason = capture_unavailable_reason()
+    if reason is not None:
+        pytest.fail(f"this test captures loopback packets: {reason}")
+    env = {"EXO_MODELS_DIRS": str(tiny_models_dir), "EXO_CLUSTER_SECRET": uuid.uuid4().hex}
+    with loopback_cluster(2, tmp_path, env) as nodes:
+        wait_converged(nodes)
+        response = nodes[0].post(
+            "/place_instance", json={"model_id": TINY_MODEL_ID, "sharding": "Pipeline", "min_nodes": 2}
+        )
+        assert response.status_code == 200, response.text
+        instance_id = response.json()["instance_id"]
+        with httpx.stream(
+            "GET", f"{nodes[0].url}/instance/await", params={"instance_id": instance_id}, timeout=180
+        ) as stream:
+            assert "event: ready" in [line for line in stream.iter_lines() if line.startswith("event:")]
+        hosts = nodes[0].state()["instances"][instance_id]["hosts"]
+        ring_ports = [int(host.rsplit(":", 1)[1]) for host in hosts]
+        transport_ports = [node.listen_port for node in nodes]
+        with loopback_capture([*ring_ports, *transport_ports]) as capture:
+            body = {"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8}
+            chat = httpx.post(f"{nodes[1].url}/v1/chat/completions", json=body, timeout=120)
+            assert chat.status_code == 200, chat.text
+            time.sleep(1)
+        ring = capture.streams(ring_ports)
+        assert sum(len(s) for s in ring) > 1000, "no ring traffic captured"
+        # The ring's all-sum carries each byte as an int32: look for the prompt that way too.
+        widened = b"".join(bytes([c, 0, 0, 0]) for c in PROMPT.encode())
+        assert not any(PROMPT.encode() in s or widened in s for s in ring)
+        assert not any(PROMPT.encode() in s for s in capture.streams(transport_ports))

@@ -20,12 +20,11 @@ from collections.abc import Callable
 from hashlib import sha256
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from loguru import logger
 
 from exo.routing.router import Topic, Transport
+from exo.shared.cluster_secret import derive_key
 
 MAGIC = b"exo\x01"
 NONCE_BYTES = 12
@@ -40,24 +39,20 @@ class Rejected(Exception):
     """A message that is not from a node holding this cluster's secret, or is a replay."""
 
 
-def _derive(secret: str, purpose: bytes) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=b"exo cluster secret", info=purpose).derive(secret.encode())
-
-
 def peer_token(secret: str) -> str:
     """The bearer token nodes of a cluster present on each other's peer endpoints."""
-    return _derive(secret, b"exo peer http v1").hex()
+    return derive_key(secret, b"exo peer http v1").hex()
 
 
 def secret_fingerprint(secret: str) -> str:
     """A short name for a secret that can be logged: nodes that print different ones
     were given different secrets."""
-    return sha256(_derive(secret, b"exo fingerprint v1")).hexdigest()[:8]
+    return sha256(derive_key(secret, b"exo fingerprint v1")).hexdigest()[:8]
 
 
 class Seal:
     def __init__(self, secret: str, clock: Callable[[], float] = time.time) -> None:
-        self._aead = AESGCM(_derive(secret, b"exo routing v1"))
+        self._aead = AESGCM(derive_key(secret, b"exo routing v1"))
         self._clock = clock
         self._lock = threading.Lock()
         self._seen: set[bytes] = set()

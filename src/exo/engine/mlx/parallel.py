@@ -8,6 +8,7 @@ and sample the same token.
 Tensor: exo's own strategy for the architecture where it has one (engine/mlx/sharding),
 else mlx-lm's `shard(group)` (column-split in, row-split out, one all-sum per block)."""
 
+import functools
 import json
 import os
 import tempfile
@@ -15,8 +16,10 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from exo.engine.mlx.sharding import pipeline_fix_up, tensor_strategy
+from exo.shared.cluster_secret import derive_key, secret_from_env
 from exo.shared.types.instances import Instance
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 
@@ -189,16 +192,46 @@ def shard_model(model: nn.Module, model_type: str, shard: ShardMetadata, group: 
         apply_pipeline(model, model_type, shard, group)
 
 
+_RING_NONCE_BYTES = 12
+_RING_AAD = b"exo mlx ring broadcast"
+
+
+@functools.cache
+def _ring_aead() -> AESGCM | None:
+    """With a cluster secret, what rank 0 broadcasts (each request's start op, its
+    messages included) crosses the ring encrypted."""
+    secret = secret_from_env()
+    return AESGCM(derive_key(secret, b"exo mlx ring v1")) if secret else None
+
+
+def _ring_seal(payload: bytes) -> bytes:
+    aead = _ring_aead()
+    if aead is None:
+        return payload
+    nonce = os.urandom(_RING_NONCE_BYTES)
+    return nonce + aead.encrypt(nonce, payload, _RING_AAD)
+
+
+def _ring_open(sealed: bytes) -> bytes:
+    aead = _ring_aead()
+    if aead is None or not sealed:
+        return sealed
+    return aead.decrypt(sealed[:_RING_NONCE_BYTES], sealed[_RING_NONCE_BYTES:], _RING_AAD)
+
+
 def broadcast_bytes(payload: bytes | None, group: mx.distributed.Group, stream: Any) -> bytes:
     """Rank 0's payload, on every rank (others pass None). Two small all-sums: the size,
-    then the bytes. `stream` must be the one generation runs on: collectives of one
-    group must run in the same order on every rank, and a token's forward pass may still
-    be in flight (mlx-lm evaluates the next token asynchronously)."""
+    then the bytes (sealed with the cluster secret when there is one). `stream` must be
+    the one generation runs on: collectives of one group must run in the same order on
+    every rank, and a token's forward pass may still be in flight (mlx-lm evaluates the
+    next token asynchronously)."""
     is_root = group.rank() == 0
+    if is_root and payload:
+        payload = _ring_seal(payload)
     size = mx.distributed.all_sum(mx.array([len(payload) if is_root and payload else 0]), group=group, stream=stream)
     n = cast(int, size.item())
     if n == 0:
         return b""
     data = mx.array(list(payload), dtype=mx.int32) if is_root and payload else mx.zeros((n,), dtype=mx.int32)
     total = mx.distributed.all_sum(data, group=group, stream=stream)
-    return bytes(cast(list[int], total.astype(mx.uint8).tolist()))
+    return _ring_open(bytes(cast(list[int], total.astype(mx.uint8).tolist())))
