@@ -80,7 +80,7 @@ def test_every_endpoint_but_the_health_check_needs_a_key_and_answers_in_its_apis
             checked += 1
     assert checked >= 30, checked
     # Routes outside the schema too: the docs, and the peer endpoints (without the peer token).
-    for path in ("/docs", "/redoc", "/peer-hub/api/models/acme/tiny/revision/main", "/link_probe"):
+    for path in ("/docs", "/redoc", "/peer-hub/api/models/acme/tiny/revision/main", "/link_probe", "/dashboardx"):
         assert httpx.get(node.url + path).status_code == 401, path
     # The health check, the dashboard's files and a browser's CORS preflight need none.
     assert httpx.get(f"{node.url}/node_id").json() == node.node_id()

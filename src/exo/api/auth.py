@@ -17,13 +17,13 @@ from exo.worker.download.hub import PEER_HUB_PREFIX
 
 HEALTH_PATH = "/node_id"
 PEER_PREFIXES = (PEER_HUB_PREFIX, "/link_probe")
-_PUBLIC_READS = ("/dashboard/", "/dashboard")
+DASHBOARD = "/dashboard"
 
 
 def is_public(method: str, path: str) -> bool:
     if method not in ("GET", "HEAD"):
         return False
-    return path in ("/", HEALTH_PATH) or path.startswith(_PUBLIC_READS)
+    return path in ("/", HEALTH_PATH, DASHBOARD) or path.startswith(DASHBOARD + "/")
 
 
 def presented_keys(headers: dict[bytes, bytes]) -> list[bytes]:
