@@ -5,6 +5,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -62,6 +63,33 @@ def test_pipeline_and_tensor_instances_answer_like_a_single_node(two_nodes):
     assert single[0] == single[1] and len(single[0]) > 0
     assert answers[("Pipeline", 2)] == single
     assert answers[("Tensor", 2)] == single
+
+
+def test_concurrent_requests_batched_on_a_split_answer_as_each_alone_on_one_node(two_nodes):
+    """The engine batches decoding requests; every rank must keep the same batch (its
+    rows joining and leaving at the same steps), else the ring's collectives would hang
+    or mix rows. Four greedy requests of different prompt and answer lengths, sent at
+    once, answer on a pipeline and a tensor split as each does alone on one node."""
+    prompts = [[{"role": "user", "content": "cluster node " * repeat}] for repeat in (1, 7, 3, 12)]
+    lengths = [20, 12, 28, 16]
+
+    def ask(node, index: int) -> str:
+        sdk = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        completion = sdk.chat.completions.create(
+            model=TINY_MODEL_ID, messages=prompts[index], max_tokens=lengths[index], temperature=0
+        )
+        return completion.choices[0].message.content or ""
+
+    instance_id = place_and_wait(two_nodes[0], "Pipeline", 1)
+    alone = [ask(two_nodes[0], index) for index in range(len(prompts))]
+    delete_and_wait(two_nodes[0], instance_id)
+    for sharding in ("Pipeline", "Tensor"):
+        instance_id = place_and_wait(two_nodes[0], sharding, 2)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            # Through both nodes: half the chunks cross the cluster.
+            answers = list(pool.map(lambda index: ask(two_nodes[index % 2], index), range(len(prompts))))
+        assert answers == alone, sharding
+        delete_and_wait(two_nodes[0], instance_id)
 
 
 def test_cancelling_a_split_instance_request_frees_both_ranks(two_nodes):

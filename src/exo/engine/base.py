@@ -48,6 +48,11 @@ class Engine(Protocol):
         ...
 
     @property
+    def request_counts(self) -> tuple[int, int]:
+        """Requests being stepped, and requests waiting for room (rank 0)."""
+        ...
+
+    @property
     def has_work(self) -> bool:
         """Requests are active, or changes wait for the next step."""
         ...

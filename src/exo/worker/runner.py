@@ -52,6 +52,7 @@ class Runner:
         # request id (the command id) -> task id, for the tasks being generated.
         self.active: dict[CommandId, TaskId] = {}
         self.ready = False
+        self._reported: RunnerStatus | None = None
 
     def set_status(self, status: RunnerStatus) -> None:
         self.conn.send(RunnerStatusUpdated(runner_id=self.runner_id, status=status))
@@ -105,7 +106,7 @@ class Runner:
                 tokens = self.engine.warm_up()
                 logger.info(f"runner {self.runner_id}: warmed up with {tokens} tokens")
                 self.ready = True
-                self.set_status(RunnerReady())
+                self._report_load()
             case SubmitTask(task=TextGenerationTask(task_id=task_id, command_id=command_id, params=params)):
                 try:
                     self.engine.submit(command_id, params)
@@ -113,10 +114,9 @@ class Runner:
                     logger.exception("submit failed")
                     self._fail(task_id, command_id, f"could not start generation: {error}")
                     return True
-                if not self.active:
-                    self.set_status(RunnerRunning())
                 self.active[command_id] = task_id
                 self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Running))
+                self._report_load()
             case CancelRunnerTask(task_id=task_id):
                 for command_id, active_task_id in list(self.active.items()):
                     if active_task_id == task_id:
@@ -124,7 +124,7 @@ class Runner:
                         del self.active[command_id]
                         self.conn.send(ChunkGenerated(command_id=command_id, finish_reason="cancelled"))
                         self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Cancelled))
-                self._maybe_ready()
+                self._report_load()
             case Shutdown():
                 self._shut_down()
                 return False
@@ -141,15 +141,25 @@ class Runner:
                     )
                 task_id = self.active.pop(chunk.command_id)
                 self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Complete))
-        self._maybe_ready()
+        # Also after a step that only applied a cancellation (a split instance's ops wait
+        # for the next step).
+        self._report_load()
 
     def _fail(self, task_id: TaskId, command_id: CommandId, message: str) -> None:
         self.conn.send(ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message))
         self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Failed, error_message=message))
 
-    def _maybe_ready(self) -> None:
-        if not self.active and not self.engine.has_work:
-            self.set_status(RunnerReady())
+    def _report_load(self) -> None:
+        """Running and queued counts, sent when they change (a request came or left):
+        the status rides the usual runner -> worker -> event way into State."""
+        running, queued = self.engine.request_counts
+        if running == 0 and queued == 0:
+            status: RunnerStatus = RunnerReady()
+        else:
+            status = RunnerRunning(active_tasks=running, queued_tasks=queued)
+        if status != self._reported:
+            self._reported = status
+            self.set_status(status)
 
 
 def _exit_when_orphaned() -> None:

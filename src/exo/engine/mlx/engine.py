@@ -571,6 +571,11 @@ class MlxEngine:
         )
 
     @property
+    def request_counts(self) -> tuple[int, int]:
+        running = min(len(self._requests), MAX_BATCH)
+        return running, len(self._requests) - running
+
+    @property
     def has_work(self) -> bool:
         return bool(self._requests or self._pending_ops)
 

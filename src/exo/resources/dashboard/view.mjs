@@ -73,7 +73,7 @@ export function describeRunner(status) {
     return { text: `Failed (attempt ${status.attempt}): ${status.errorMessage}`, progress: null, failed: true };
   }
   if (status.kind === "RunnerRunning") {
-    return { text: `Running ${status.activeTasks} request(s)`, progress: null, failed: false };
+    return { text: `Running ${status.activeTasks} request(s)${status.queuedTasks ? `, ${status.queuedTasks} queued` : ""}`, progress: null, failed: false };
   }
   return { text, progress: null, failed: false };
 }

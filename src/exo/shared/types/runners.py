@@ -39,7 +39,10 @@ class RunnerReady(FrozenModel):
 
 class RunnerRunning(FrozenModel):
     kind: Literal["RunnerRunning"] = "RunnerRunning"
+    # Requests the engine steps (prefilling or in its decode batch), and those waiting
+    # for room beyond its admission limit.
     active_tasks: int = 1
+    queued_tasks: int = 0
 
 
 class RunnerShuttingDown(FrozenModel):
