@@ -1,5 +1,6 @@
 """Images through a real node, checked against transformers: tiny random VLMs of Gemma 4
-(the E2B/E4B layout) and Qwen2.5-VL (devtools/tiny_vlms.py: made with transformers, sharp
+(the E2B/E4B layout, and the 26B-A4B one whose image tokens attend both ways on sliding
+layers) and Qwen2.5-VL (devtools/tiny_vlms.py: made with transformers, sharp
 weights), a text + image prompt sent with the official SDKs. The top-20 log-probabilities
 of 4 greedy tokens through /v1/chat/completions equal transformers' forward over its own
 processing of the same image (its image processor, its tokenizer) within 1e-3; a

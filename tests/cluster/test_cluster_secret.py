@@ -4,7 +4,8 @@ and serve a chat across nodes; a node with another secret and one with none, bot
 bootstrapped at the cluster and started with --force-master, never appear in its State,
 see none of it, and what they publish (heartbeats claiming the master, a placement) is
 not accepted. A capture of loopback during the chat finds the prompt on the client's
-HTTP connection only, never on the cluster transport's connections."""
+HTTP connection only, never on the cluster transport's connections, nor on a split
+instance's MLX ring; and peer downloads pass the peers' keyed APIs."""
 
 import time
 import uuid
@@ -14,8 +15,11 @@ import pytest
 
 from exo.routing.seal import MAGIC, peer_token
 from exo.worker.download import hub
+from tests.cluster.test_shard_downloads import MODEL_ID as LAYERED_MODEL
+from tests.cluster.test_shard_downloads import make_layered_model, place_ready
 from tests.support.capture import capture_unavailable_reason, loopback_capture
 from tests.support.cluster import ClusterNode, loopback_cluster, wait_converged
+from tests.support.fake_hub import fake_hub as fake_hub  # noqa: F401  (a fixture)
 from tests.support.node import TINY_MODEL_ID
 
 PROMPT = f"the purple elephant negotiates at midnight {uuid.uuid4().hex[:8]}"
@@ -147,3 +151,37 @@ def test_a_split_instance_carries_no_prompt_in_clear_between_its_ranks(tmp_path,
         widened = b"".join(bytes([c, 0, 0, 0]) for c in PROMPT.encode())
         assert not any(PROMPT.encode() in s or widened in s for s in ring)
         assert not any(PROMPT.encode() in s for s in capture.streams(transport_ports))
+
+
+def test_nodes_with_a_secret_and_their_own_keys_take_files_from_each_other(fake_hub, tmp_path):
+    """A peer download goes through the other node's keyed /peer-hub with the token from
+    the secret: two nodes, each with its own API key, the hub stopped once each holds its
+    half of a pipeline; the node then placed alone takes the other half from its peer."""
+    endpoint, root = fake_hub
+    make_layered_model(root / "acme--layered")
+    secret = uuid.uuid4().hex
+    keys = [f"key-a-{uuid.uuid4().hex}", f"key-b-{uuid.uuid4().hex}"]
+    env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1", "EXO_CLUSTER_SECRET": secret}
+    with loopback_cluster(1, tmp_path, env, args=("--api-key", keys[0]), offline=False) as nodes:
+        nodes.add_node(args=("--api-key", keys[1]))
+        for node, key in zip(nodes, keys, strict=True):
+            node.api_key = key
+        wait_converged(nodes, timeout=60)
+        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 2, timeout=60, what="links")
+        assert nodes[0].post("/models/add", json={"model_id": LAYERED_MODEL}).status_code == 200
+        instance_id = place_ready(nodes, min_nodes=2)
+        assert nodes[0].delete(f"/instance/{instance_id}").status_code == 200
+        nodes[0].wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=30, what="gone")
+        fake_hub.stop()
+
+        instance_id = place_ready(nodes, min_nodes=1)
+        (node_id,) = nodes[0].state()["instances"][instance_id]["shardAssignments"]["nodeToRunner"]
+        node = next(n for n in nodes if n.node_id() == node_id)
+        assert f"of {LAYERED_MODEL} from peer http://127.0.0.1:" in node.logs()
+        chat = httpx.post(
+            f"{node.url}/v1/chat/completions",
+            json={"model": LAYERED_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            headers=node.headers,
+            timeout=120,
+        )
+        assert chat.status_code == 200, chat.text

@@ -1,11 +1,11 @@
-"""Images on a 2-node pipeline: the tiny Gemma 4 VLM (E2B/E4B layout) and Qwen2.5-VL split
-across two real nodes on 127.0.0.1. Rank 0 alone runs the vision tower and sends the
-features to rank 1 (Gemma 4's per-layer inputs are projected from the embeddings, so rank
-1 needs them too), with Qwen2.5-VL's 3-D positions; the image bytes are not broadcast to
-rank 1. The first token's top-20
-log-probabilities, sent with the openai SDK as a data URL, equal transformers' forward
-within 1e-3, for two different images, with prefill chunks whose boundaries fall inside
-the image's run."""
+"""Images on a 2-node pipeline: the tiny Gemma 4 VLMs (E2B/E4B and 26B-A4B layouts) and
+Qwen2.5-VL split across two real nodes on 127.0.0.1. Rank 0 alone runs the vision tower
+and sends the features to rank 1 (Gemma 4's per-layer inputs are projected from the
+embeddings, so rank 1 needs them too), with Qwen2.5-VL's 3-D positions; the image bytes
+are not broadcast to rank 1. The first token's top-20 log-probabilities, sent with the
+openai SDK as a data URL, equal transformers' forward within 1e-3, for two different
+images, with prefill chunks whose boundaries fall inside the image's run (except for the
+26B-A4B layout, whose image runs are prefilled whole)."""
 
 import base64
 import io

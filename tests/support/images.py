@@ -17,7 +17,11 @@ def noise_png(seed: int, size: tuple[int, int] = (96, 96)) -> bytes:
 
 
 # The tiny VLMs (devtools/tiny_vlms.py) by the model id tests serve them as.
-VLM_MODELS = {"gemma4_vlm": "acme/gemma4-vlm-tiny", "qwen2_5_vl": "acme/qwen2.5-vl-tiny"}
+VLM_MODELS = {
+    "gemma4_vlm": "acme/gemma4-vlm-tiny",
+    "gemma4_moe_vlm": "acme/gemma4-26b-vlm-tiny",
+    "qwen2_5_vl": "acme/qwen2.5-vl-tiny",
+}
 VLM_QUESTION = "what is in the picture"
 
 

@@ -131,9 +131,7 @@ def test_gemma_4_cards_carry_the_seed_values():
             assert card.num_key_value_heads == kv_heads
             assert card.context_length == context_length
             assert card.quantization == quantization
-            # exo runs the vision side of the E2B/E4B layout only (shared/models/vision.py).
-            vision = ["vision"] if size.startswith("e") else []
-            assert card.capabilities == ["text", *vision]
+            assert card.capabilities == ["text", "vision"]
             assert card.reasoning_dialect == ReasoningDialect.none
     assert cards["mlx-community/gemma-4-26b-a4b-it-4bit"].storage_size.in_bytes == 15608614044
 
@@ -395,8 +393,8 @@ def test_a_derived_card_says_vision_only_where_exo_runs_it(tmp_path):
     base = {"model_type": "gemma4", "text_config": text, "vision_config": {"hidden_size": 4}, "image_token_id": 7}
     layouts = {
         "e2b": (base, ["text", "vision"]),
-        # 26B-A4B / 31B: image tokens attend both ways on sliding layers, not run yet.
-        "big": ({**base, "text_config": {**text, "use_bidirectional_attention": "vision"}}, ["text"]),
+        # 26B-A4B / 31B: image tokens attend both ways on sliding layers.
+        "big": ({**base, "text_config": {**text, "use_bidirectional_attention": "vision"}}, ["text", "vision"]),
         "notoken": ({k: v for k, v in base.items() if k != "image_token_id"}, ["text"]),
         "qwen": ({**base, "model_type": "qwen2_5_vl"}, ["text", "vision"]),
         "qwen3": ({**base, "model_type": "qwen3_vl"}, ["text"]),

@@ -29,13 +29,13 @@ VLM_CHAT_TEMPLATE = (
     "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-# Gemma 4's tokens for images (and the audio and video ones its config names).
+# Gemma 4's tokens for images. Its config also names audio and video tokens; they get ids
+# outside the vocabulary, since transformers embeds those tokens as padding wherever they
+# occur, and a random model may well sample them.
 GEMMA4_TOKENS = {
     "image_token": "<|image|>",
     "boi_token": "<|boi|>",
     "eoi_token": "<|eoi|>",
-    "audio_token": "<|audio|>",
-    "video_token": "<|video|>",
 }
 
 # A vision tower of the real structure (ViT blocks, 2-D rotary, pooling 3x3 patches to a
@@ -96,7 +96,7 @@ QWEN_VL_TEXT = {
 QWEN_VL_ROPE = {"type": "mrope", "mrope_section": [2, 3, 3]}
 QWEN_VL_ROPE_THETA = 10000.0
 
-TINY_VLMS = ("gemma4_vlm", "qwen2_5_vl")
+TINY_VLMS = ("gemma4_vlm", "gemma4_moe_vlm", "qwen2_5_vl")
 
 
 def _write_vlm_tokenizer(path: Path, tokens: dict[str, str], placeholder: str) -> dict[str, int]:
@@ -136,16 +136,26 @@ def _update_config(path: Path, **fields: Any) -> None:
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **fields}, indent=2))
 
 
-def make_tiny_gemma4_vlm(path: Path, seed: int = 0) -> Path:
-    """Gemma 4 of the E2B/E4B layout (per-layer inputs, KV-shared layers, causal attention
-    over image tokens) with its vision tower and projector."""
+def _gemma4_moe_text() -> dict[str, Any]:
+    """The 26B-A4B layout (tiny_configs' gemma4_moe) as a VLM's text config: image tokens
+    attend to each other both ways on the sliding layers."""
+    text = {k: v for k, v in TINY_CONFIGS["gemma4_moe"].items() if k != "architectures"}
+    return {**text, "use_bidirectional_attention": "vision"}
+
+
+def make_tiny_gemma4_vlm(path: Path, seed: int = 0, layout: str = "e2b") -> Path:
+    """Gemma 4 with its vision tower and projector, of the E2B/E4B layout (per-layer
+    inputs, KV-shared layers, causal attention over image tokens) or, with layout
+    "26b", the 26B-A4B one (MoE, k_eq_v, bidirectional image attention on sliding layers)."""
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     path = Path(path)
     ids = _write_vlm_tokenizer(path, GEMMA4_TOKENS, GEMMA4_TOKENS["image_token"])
-    text = copy.deepcopy(TINY_CONFIGS["gemma4"]["text_config"])
-    text.update(vocab_size=ids["vocab_size"], vocab_size_per_layer_input=ids["vocab_size"], pad_token_id=0)
+    text = copy.deepcopy(TINY_CONFIGS["gemma4"]["text_config"]) if layout == "e2b" else _gemma4_moe_text()
+    text.update(vocab_size=ids["vocab_size"], pad_token_id=0)
+    if text.get("hidden_size_per_layer_input"):
+        text["vocab_size_per_layer_input"] = ids["vocab_size"]
     config = Gemma4Config(
         text_config=text,
         vision_config=dict(GEMMA4_VISION),
@@ -153,8 +163,8 @@ def make_tiny_gemma4_vlm(path: Path, seed: int = 0) -> Path:
         image_token_id=ids["image_token"],
         boi_token_id=ids["boi_token"],
         eoi_token_id=ids["eoi_token"],
-        audio_token_id=ids["audio_token"],
-        video_token_id=ids["video_token"],
+        audio_token_id=ids["vocab_size"] + 1,
+        video_token_id=ids["vocab_size"] + 2,
         initializer_range=INIT_STD,
         tie_word_embeddings=True,
     )
@@ -239,6 +249,8 @@ def make_tiny_qwen2_5_vl(path: Path, seed: int = 0) -> Path:
 
 
 def make_tiny_vlm(path: Path, name: str, seed: int = 0) -> Path:
+    if name == "gemma4_moe_vlm":
+        return make_tiny_gemma4_vlm(path, seed, layout="26b")
     makers = {"gemma4_vlm": make_tiny_gemma4_vlm, "qwen2_5_vl": make_tiny_qwen2_5_vl}
     return makers[name](path, seed)
 
@@ -269,7 +281,14 @@ def gemma4_reference(path: Path, question: str, image: Any, steps: int = 1) -> t
     ids = tokenizer(text, add_special_tokens=False).input_ids
     model = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     inputs = {"pixel_values": pixels["pixel_values"], "image_position_ids": pixels["image_position_ids"]}
-    return ids, _greedy_logprobs(lambda input_ids: model(input_ids=input_ids, **inputs).logits, ids, steps)
+    image_token = model.config.image_token_id
+
+    def forward(input_ids: Any) -> Any:
+        # mm_token_type_ids marks the image tokens: the 26B/31B layouts' bidirectional
+        # image attention is built from it.
+        return model(input_ids=input_ids, mm_token_type_ids=(input_ids == image_token).int(), **inputs).logits
+
+    return ids, _greedy_logprobs(forward, ids, steps)
 
 
 def _greedy_logprobs(forward: Callable[[Any], Any], ids: list[int], steps: int) -> list[list[float]]:

@@ -34,9 +34,9 @@ from exo.engine.mlx.prefix_cache import PrefixCache
 from exo.engine.mlx.vision import (
     VisionEncoder,
     VisionPrompt,
-    attach_prompt_positions,
+    attach_prompt_images,
     images_of,
-    install_rope_positions,
+    install_image_attention,
     load_vision,
     share_prompt,
 )
@@ -195,8 +195,9 @@ class MlxEngine:
         self.think_markers: tuple[str, str] | None = None
         self.prefix_cache: PrefixCache | None = None
         self.vision: VisionEncoder | None = None
-        # Its attention layers read 3-D rotary positions from each request's cache.
-        self.rope_positions = False
+        # Its attention reads each request's images from its cache (3-D rotary positions,
+        # bidirectional image attention).
+        self.image_attention = False
         self.pipeline_ranks = 1
         self._requests: dict[CommandId, _Request] = {}
         # Image bytes rank 0 keeps back from the ops it broadcasts: only it runs the tower.
@@ -223,7 +224,7 @@ class MlxEngine:
         self.vision = None if self.is_follower else load_vision(model_dir)
         if self.vision is not None:
             self.vision.bind(inner_model(self.model))
-        self.rope_positions = install_rope_positions(model_dir, inner_model(self.model))
+        self.image_attention = install_image_attention(model_dir, inner_model(self.model))
         self.pipeline_ranks = shard.world_size if isinstance(shard, PipelineShardMetadata) else 1
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
         self.reasoning_dialect = shard.model_card.reasoning_dialect.value
@@ -317,8 +318,8 @@ class MlxEngine:
         assert self.prefix_cache is not None
         # All but the last prompt token are prefilled; the last starts generate_step.
         cache, cached = self.prefix_cache.fetch(key[:-1])
-        if self.rope_positions:
-            attach_prompt_positions(cache, vision)
+        if self.image_attention:
+            attach_prompt_images(cache, vision)
         max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
         self._requests[op.request_id] = _Request(
             request_id=op.request_id,
@@ -440,11 +441,15 @@ class MlxEngine:
     def _prefill(self, request: _Request) -> ChunkGenerated:
         assert self.model is not None
         end = min(request.prefilled + PREFILL_STEP, len(request.prompt) - 1)
+        whole_runs = request.vision is not None and request.vision.whole_runs
+        if request.vision is not None:
+            end = request.vision.chunk_end(request.prefilled, end)
         prefill_chunk(
             self.model,
             request.prompt[request.prefilled : end],
             request.cache,
-            self.pipeline_ranks,
+            # Micro-chunks would cut an image run that must be seen whole.
+            1 if whole_runs else self.pipeline_ranks,
             self._chunk_inputs(request),
         )
         request.prefilled = end

@@ -31,9 +31,10 @@ from mlx_vlm.models.qwen2_5_vl.vision import VisionModel as QwenVisionModel
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from exo.engine.mlx.image_attention import attach_image_spans, install_image_overlay
 from exo.engine.mlx.mrope import RopePositions, attach_positions, image_positions, install_mrope
 from exo.engine.mlx.parallel import broadcast_bytes
-from exo.shared.models.vision import vision_runs
+from exo.shared.models.vision import bidirectional_images, vision_runs
 from exo.shared.types.text_generation import ImageInput, TextGenerationTaskParams, image_hashes_in_order
 
 # One image's features (tokens, text hidden) and, for the grid families, its merged
@@ -67,6 +68,23 @@ class VisionPrompt:
     pad_token_id: int
     # 3-D rotary positions (Qwen2.5-VL), where the family has them.
     positions: RopePositions | None = None
+    # Image tokens attend to later ones of their image (Gemma 4 26B-A4B, 31B): a prefill
+    # chunk must hold an image's whole run.
+    whole_runs: bool = False
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        return [(run.start, run.end) for run in self.runs]
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """`end`, or where the chunk from `start` must end instead so that no image run
+        is cut: before the run, or after it when the chunk starts at it."""
+        if not self.whole_runs:
+            return end
+        for run in self.runs:
+            if run.start < end < run.end:
+                return run.start if run.start > start else run.end
+        return end
 
     def chunk_inputs(self, inner: Any, start: int, end: int) -> dict[str, mx.array]:
         """The language model's inputs for prompt positions [start, end): token ids with
@@ -100,6 +118,7 @@ def share_prompt(prompt: VisionPrompt | None, group: mx.distributed.Group, strea
         fields |= {"image_token_id": prompt.image_token_id, "pad_token_id": prompt.pad_token_id}
         fields["hidden"] = prompt.runs[0].features.shape[1] if prompt.runs else 0
         fields["positions"] = None if prompt.positions is None else prompt.positions.table.tolist()
+        fields["whole_runs"] = prompt.whole_runs
         layout = json.dumps(fields).encode()
     shared = json.loads(broadcast_bytes(layout, group, stream))
     total = sum(run["tokens"] for run in shared["runs"])
@@ -123,6 +142,7 @@ def share_prompt(prompt: VisionPrompt | None, group: mx.distributed.Group, strea
         image_token_id=shared["image_token_id"],
         pad_token_id=shared["pad_token_id"],
         positions=None if shared["positions"] is None else RopePositions(np.array(shared["positions"])),
+        whole_runs=shared["whole_runs"],
     )
 
 
@@ -149,6 +169,7 @@ class VisionEncoder:
     """The vision side of one loaded model."""
 
     def __init__(self, config: dict[str, Any], encode: Encode, rope_positions: bool = False) -> None:
+        self.whole_runs = bidirectional_images(config)
         self.image_token_id = int(config["image_token_id"])
         self.boi_token_id = config.get("boi_token_id")
         self.eoi_token_id = config.get("eoi_token_id")
@@ -196,6 +217,7 @@ class VisionEncoder:
             image_token_id=self.image_token_id,
             pad_token_id=self.pad_token_id,
             positions=_rope_positions(len(tokens), runs) if self.rope_positions else None,
+            whole_runs=self.whole_runs,
         )
 
 
@@ -293,17 +315,28 @@ _FAMILIES: dict[str, Callable[[Path, dict[str, Any]], VisionEncoder]] = {
 }
 
 
-def install_rope_positions(model_dir: Path, inner: Any) -> bool:
-    """For a family whose images take 3-D rotary positions: every rank's attention layers
-    learn to read them (engine/mlx/mrope.py). True where installed."""
+def install_image_attention(model_dir: Path, inner: Any) -> bool:
+    """What a family's language model needs to attend to images as the family does, on
+    every rank: 3-D rotary positions (Qwen2.5-VL, engine/mlx/mrope.py) or bidirectional
+    image attention on sliding layers (Gemma 4 26B-A4B/31B, engine/mlx/image_attention.py).
+    True where installed: then each request's cache must say its images
+    (attach_prompt_images)."""
     config = json.loads((model_dir / "config.json").read_text())
-    if not vision_runs(config) or config["model_type"] != "qwen2_5_vl":
+    if not vision_runs(config):
         return False
-    return install_mrope(inner, config.get("text_config", config))
+    if config["model_type"] == "qwen2_5_vl":
+        return install_mrope(inner, config.get("text_config", config))
+    if bidirectional_images(config):
+        install_image_overlay(inner)
+        return True
+    return False
 
 
-def attach_prompt_positions(cache: list[Any], prompt: VisionPrompt | None) -> None:
+def attach_prompt_images(cache: list[Any], prompt: VisionPrompt | None) -> None:
+    """The request's image positions and spans on its cache entries (None clears what a
+    cache from the prefix cache may still carry)."""
     attach_positions(cache, prompt.positions if prompt is not None else None)
+    attach_image_spans(cache, prompt.spans if prompt is not None and prompt.whole_runs else None)
 
 
 def load_vision(model_dir: Path) -> VisionEncoder | None:

@@ -9,12 +9,14 @@ VISION_MODEL_TYPES = frozenset({"gemma4", "qwen2_5_vl"})
 
 
 def vision_runs(config: dict[str, Any]) -> bool:
-    """Whether exo runs this config.json's vision side. Gemma 4's 26B-A4B and 31B layouts
-    let image tokens attend to each other both ways on their sliding layers; exo's
-    language model attends causally there, so those wait."""
+    """Whether exo runs this config.json's vision side."""
     if config.get("model_type") not in VISION_MODEL_TYPES or not config.get("vision_config"):
         return False
-    if config.get("image_token_id") is None:
-        return False
+    return config.get("image_token_id") is not None
+
+
+def bidirectional_images(config: dict[str, Any]) -> bool:
+    """Gemma 4's 26B-A4B and 31B layouts: image tokens attend to each other both ways on
+    the sliding-window layers."""
     text = config.get("text_config") or {}
-    return text.get("use_bidirectional_attention") != "vision"
+    return text.get("use_bidirectional_attention") == "vision"
