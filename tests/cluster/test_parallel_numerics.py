@@ -6,9 +6,8 @@ through `exo.devtools.parallel_check` (the engine's real loading and sharding co
 Every rank's logits for a 32-token prompt and 16 greedy decode steps must match the
 single process within 1e-4, and every rank must emit the same tokens.
 
-2-way splits of the families transformers can save a checkpoint of are served by real
-nodes and compared with transformers in test_served_numerics.py; here 2-way runs for the
-others (WITHOUT_TRANSFORMERS_CHECKPOINT). Tensor cases exist for architectures with a
+2-way splits of every family are served by real nodes and compared with transformers in
+test_served_numerics.py; here 2-way cases run only with EXO_PARALLEL_FULL=1. Tensor cases exist for architectures with a
 strategy (exo's or mlx-lm's). 4-way cases run by default for llama and deepseek_v3 (MoE +
 MLA), both ways, for gpt_oss pipeline (4-way puts a rank boundary after an odd layer,
 which 2-way over 4 layers does not) and for gemma4 pipeline; EXO_PARALLEL_FULL=1 runs
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exo.devtools.tiny_configs import TINY_CONFIGS, WITHOUT_TRANSFORMERS_CHECKPOINT
+from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import make_tiny
 from exo.shared.models.families import has_tensor_strategy
 
@@ -70,7 +69,7 @@ def _cases() -> list:
             for sharding in ("pipeline", "tensor"):
                 if world_size == 4 and not (FULL or (arch, sharding) in FOUR_WAY_DEFAULT):
                     continue
-                if world_size == 2 and not (FULL or arch in WITHOUT_TRANSFORMERS_CHECKPOINT):
+                if world_size == 2 and not FULL:
                     continue
                 if sharding == "pipeline" and _n_layers(TINY_CONFIGS[arch]) < world_size:
                     continue

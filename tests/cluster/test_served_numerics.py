@@ -1,8 +1,11 @@
 """Every family, served by real nodes, gives transformers' numbers.
 
-For each tiny architecture transformers can build, a random float32 checkpoint with sharp
-weights (N(0, 0.08)) is saved by transformers, and two real exo nodes on 127.0.0.1 serve
-it three ways at once: on one node, as a 2-node pipeline, and (where the family has a
+For every tiny architecture, a random float32 transformers model with sharp weights
+(N(0, 0.08)) is saved in the layout its published checkpoints use (save_pretrained's,
+rewritten where that differs: gpt_oss, qwen3_5_moe, kimi_k25, step3p5; see
+devtools/hub_layouts.py, which also says why kimi_k25's and step3p5's references, not
+transformers classes of their own model_type, compute those models), and two real exo
+nodes on 127.0.0.1 serve it three ways at once: on one node, as a 2-node pipeline, and (where the family has a
 tensor strategy) as a 2-node tensor split over the MLX ring. Each way is its own model id
 (a symlink to the same files), so one request per id reaches that instance. A 64-token
 prompt (past every tiny sliding window, every sparse top-k and DeepSeek V4's first
@@ -11,10 +14,7 @@ chunks, with 8 greedy tokens and their logprobs; every logprob must equal transf
 full forward over the same tokens within 1e-3, and a split's the single node's within
 1e-4 (the full forward, not transformers'
 incremental decode, is the reference: see test_deepseek_v4_model.py for why it is right
-for DeepSeek V4).
-
-Not here: the configs in WITHOUT_TRANSFORMERS_CHECKPOINT (why is said there). Their
-splits are checked against the single process in test_parallel_numerics.py."""
+for DeepSeek V4)."""
 
 import time
 from collections.abc import Iterator
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from exo.devtools.onboard import random_prompt, write_reference_model
-from exo.devtools.tiny_configs import TINY_CONFIGS, WITHOUT_TRANSFORMERS_CHECKPOINT
+from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.shared.models.families import has_tensor_strategy
 from tests.support.cluster import Cluster, loopback_cluster, wait_converged
 
@@ -36,7 +36,7 @@ SPLIT_TOLERANCE = 1e-4
 PROMPT_LEN = 64
 STEPS = 8
 PREFILL_STEP = 24
-FAMILIES = [name for name in TINY_CONFIGS if name not in WITHOUT_TRANSFORMERS_CHECKPOINT]
+FAMILIES = list(TINY_CONFIGS)
 
 
 @dataclass(frozen=True)
@@ -80,12 +80,22 @@ def _reference(path: Path, family: str) -> Reference:
     return Reference(prompt, logprobs)
 
 
+def _selected_families(request: pytest.FixtureRequest) -> list[str]:
+    """The families of this module's test cases that run (after -k): the nodes must find
+    every model when they start, so only those are built."""
+    mine = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+    chosen = {item.callspec.params["family"] for item in mine if hasattr(item, "callspec")}
+    return [family for family in FAMILIES if family in chosen]
+
+
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Reference]]:
+def checkpoints(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, Reference]]:
     models_dir = tmp_path_factory.mktemp("served-models")
     store = tmp_path_factory.mktemp("checkpoints")
     references = {}
-    for family in FAMILIES:
+    for family in _selected_families(request):
         references[family] = _reference(store / family, family)
         for layout in layouts_for(family):
             (models_dir / model_id(family, layout).replace("/", "--")).symlink_to(store / family)

@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 import exo.engine.mlx.models  # noqa: F401  (architectures mlx-lm lacks)
+from exo.devtools.hub_layouts import TEXT_PART_REFERENCE, has_own_layout, reference_model, to_hub_layout
 from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import write_tokenizer
 
@@ -121,7 +122,8 @@ def _with_vocab_size(config: dict, vocab_size: int) -> dict:
 
 def write_reference_model(path: Path, config: dict, seed: int = 0):
     """Saves a random transformers model of `config` (float32) with a tokenizer at
-    `path`, in Hugging Face layout; returns the transformers model."""
+    `path`, in the layout the family's Hugging Face checkpoints use (hub_layouts.py);
+    returns the transformers model."""
     import torch
     import transformers
     from tokenizers import Tokenizer
@@ -129,15 +131,31 @@ def write_reference_model(path: Path, config: dict, seed: int = 0):
     write_tokenizer(path, config.get("vocab_size", 512), pad_to_multiple_of=64)
     config = _with_vocab_size(config, Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size())
     torch.manual_seed(seed)
-    hf_config = transformers.AutoConfig.for_model(**config)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    model_type = config["model_type"]
+    model = reference_model(model_type, transformers.AutoConfig.for_model(**config))
     _randomise(model, seed)
-    model.save_pretrained(path)
-    # transformers writes its own spelling of some keys (rope_parameters, ...); the
-    # checkpoints people download carry the original config, so keep its keys too.
-    saved = json.loads((path / "config.json").read_text())
+    if isinstance(model, transformers.PreTrainedModel):
+        model.save_pretrained(path)
+        # transformers writes its own spelling of some keys (rope_parameters, ...); the
+        # checkpoints people download carry the original config, so keep its keys too.
+        # A text-part reference saved its text config, which the original nests.
+        saved = {} if model_type in TEXT_PART_REFERENCE else json.loads((path / "config.json").read_text())
+    else:
+        _save_state_dict(path, model.state_dict())
+        saved = {}
+    if has_own_layout(model_type):
+        from safetensors.torch import load_file
+
+        _save_state_dict(path, to_hub_layout(model_type, load_file(path / "model.safetensors")))
     (path / "config.json").write_text(json.dumps({**saved, **config}, indent=2))
     return model
+
+
+def _save_state_dict(path: Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    # A tiny model is one file; save_pretrained names it so too.
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
 
 
 def _reference_prompt_kwargs(config) -> dict:

@@ -886,8 +886,3 @@ TINY_CONFIGS: dict[str, dict] = {
         "vocab_size": _VOCAB,
     },
 }
-
-# Configs no transformers checkpoint can be made of for our engine to read: transformers
-# saves gpt_oss' and qwen3_5_moe's experts fused, in a layout mlx-lm's sanitize does not
-# read, and has no causal-LM class for step3p5's and kimi_k25's configs.
-WITHOUT_TRANSFORMERS_CHECKPOINT = frozenset({"gpt_oss", "qwen3_5_moe", "step3p5", "kimi_k25"})
