@@ -22,7 +22,7 @@ MODEL_ID = "acme/layered"
 N_LAYERS = 6
 
 
-def make_layered_model(path: Path) -> dict[str, str]:
+def make_layered_model(path: Path, num_key_value_heads: int = 3) -> dict[str, str]:
     """The tiny Llama re-saved as one safetensors file per layer plus one for the tensors
     of no layer (embeddings, norm, head), with an index; returns its weight map. Wide MLPs,
     so the layers, not the embeddings, hold most of the bytes, as in a real model."""
@@ -31,7 +31,7 @@ def make_layered_model(path: Path) -> dict[str, str]:
         hidden_size=96,
         num_hidden_layers=N_LAYERS,
         num_attention_heads=6,
-        num_key_value_heads=3,
+        num_key_value_heads=num_key_value_heads,
         intermediate_size=1536,
     )
     weights = mx.load(str(path / "model.safetensors"))
@@ -52,11 +52,11 @@ def make_layered_model(path: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def cluster_with_the_model(count: int, endpoint: str, tmp_path: Path) -> Iterator[list]:
+def cluster_with_the_model(count: int, endpoint: str, tmp_path: Path, args: tuple[str, ...] = ()) -> Iterator[list]:
     """`count` nodes on loopback that download from the fake hub, linked both ways, with
     MODEL_ID's card added."""
     env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"}
-    with loopback_cluster(count, tmp_path, env, offline=False) as nodes:
+    with loopback_cluster(count, tmp_path, env, args=args, offline=False) as nodes:
         wait_converged(nodes, timeout=60)
         links = count * (count - 1)
         nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == links, timeout=60, what="links")
@@ -82,11 +82,11 @@ def peer_speed(peer) -> float:
     return received / (time.monotonic() - started)
 
 
-def place_ready(nodes, min_nodes: int) -> str:
-    """Places a pipeline of MODEL_ID over min_nodes nodes; once every runner is ready and
+def place_ready(nodes, min_nodes: int, sharding: str = "Pipeline") -> str:
+    """Places an instance of MODEL_ID over min_nodes nodes; once every runner is ready and
     every download record of it is complete, returns its id."""
     response = nodes[0].post(
-        "/place_instance", json={"model_id": MODEL_ID, "sharding": "Pipeline", "min_nodes": min_nodes}
+        "/place_instance", json={"model_id": MODEL_ID, "sharding": sharding, "min_nodes": min_nodes}
     )
     assert response.status_code == 200, response.text
     instance_id = response.json()["instance_id"]
@@ -102,7 +102,7 @@ def place_ready(nodes, min_nodes: int) -> str:
         )
 
     for node in nodes:
-        node.wait_for_state(ready, timeout=180, what=f"pipeline x{min_nodes} ready")
+        node.wait_for_state(ready, timeout=180, what=f"{sharding} x{min_nodes} ready")
     return instance_id
 
 

@@ -4,7 +4,8 @@ dashboard's static files (the page asks for the key and sends it on its own call
 
 A key comes as `Authorization: Bearer KEY` (OpenAI, Ollama clients, curl) or
 `x-api-key: KEY` (Anthropic). The peer endpoints other nodes call (link probes, the
-peer file hub) also take the cluster's peer token (routing/seal.py's `peer_token`).
+peer file hub) also take the cluster's peer token (routing/seal.py's `peer_token`);
+with a cluster secret they need it even when the node has no API key.
 Keys are compared in constant time, and neither they nor the headers reach the log."""
 
 import hmac
@@ -52,10 +53,14 @@ class ApiKeys:
         self.peer_keys = [*self.keys, *([peer_token.encode()] if peer_token else [])]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or is_public(scope["method"], scope["path"]):
+        if scope["type"] != "http" or is_public(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return
+        # A cluster secret alone (no --api-key) closes the peer paths to nodes without it.
         allowed = self.peer_keys if scope["path"].startswith(PEER_PREFIXES) else self.keys
+        if not allowed:
+            await self.app(scope, receive, send)
+            return
         presented = presented_keys(dict(scope["headers"]))
         if matches(presented, allowed):
             await self.app(scope, receive, send)

@@ -1,10 +1,18 @@
 """Questions every layer asks of State, answered in one place. Pure functions of State,
 beside `apply`, so the master, the worker and the API agree on what "serving" means."""
 
+from exo.shared.models.weight_files import files_for_layers
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
-from exo.shared.types.downloads import DownloadOngoing, DownloadPending
+from exo.shared.types.downloads import (
+    DownloadCancelled,
+    DownloadCompleted,
+    DownloadFailed,
+    DownloadOngoing,
+    DownloadPending,
+)
 from exo.shared.types.instances import Instance
 from exo.shared.types.runners import SERVING_STATUSES, RunnerFailed, RunnerLoading, RunnerStatus
+from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.state import State
 from exo.shared.types.tasks import FINISHED_TASK_STATUSES
 
@@ -68,3 +76,56 @@ def instance_using_files(state: State, node_id: NodeId, model_id: str) -> Instan
 
 def download_running(state: State, node_id: NodeId, model_id: str) -> bool:
     return isinstance(state.downloads.get(node_id, {}).get(ModelId(model_id)), DownloadPending | DownloadOngoing)
+
+
+def layers_needed(instance: Instance, node_id: NodeId) -> tuple[int, int] | None:
+    """The layer range the node's pipeline rank of the instance runs; None: every layer."""
+    shard = instance.shard_assignments.runner_to_shard[instance.shard_assignments.node_to_runner[node_id]]
+    if isinstance(shard, PipelineShardMetadata) and (shard.start_layer, shard.end_layer) != (0, shard.n_layers):
+        return shard.start_layer, shard.end_layer
+    return None
+
+
+def nodes_fetching(state: State, model_id: str) -> dict[NodeId, list[tuple[int, int] | None]]:
+    """The nodes that need files of the model they do not hold (a runner of one of its
+    instances, or a start order), each with the layer ranges it needs (None: all), and
+    whose download has not failed or been cancelled."""
+    wanted: dict[NodeId, list[tuple[int, int] | None]] = {}
+    for instance in instances_of(state, model_id):
+        for node_id in instance.shard_assignments.node_to_runner:
+            wanted.setdefault(node_id, []).append(layers_needed(instance, node_id))
+    for node_id, orders in state.download_orders.items():
+        entry = orders.get(ModelId(model_id))
+        if entry is not None and entry.order == "start":
+            wanted.setdefault(node_id, []).append(entry.layers)
+    fetching = {}
+    for node_id, ranges in wanted.items():
+        record = state.downloads.get(node_id, {}).get(ModelId(model_id))
+        if node_id not in state.nodes or isinstance(record, DownloadFailed | DownloadCancelled):
+            continue
+        if isinstance(record, DownloadCompleted) and all(
+            layers is None and record.layers is None or layers is not None and record.covers(*layers)
+            for layers in ranges
+        ):
+            continue
+        fetching[node_id] = ranges
+    return fetching
+
+
+def hub_fetcher(state: State, model_id: str, file: str, weight_map: dict[str, str] | None) -> NodeId | None:
+    """Of the nodes that need `file` of the model and have no copy, the one that takes it
+    from the hub: the lowest node id. The others take it from that node while it arrives,
+    so the hub sends each file once. Every node answers the same from the same State.
+    `weight_map`: the model's safetensors index (None: every node needs every file)."""
+    needers = []
+    for node_id, ranges in nodes_fetching(state, model_id).items():
+        record = state.downloads.get(node_id, {}).get(ModelId(model_id))
+        if isinstance(record, DownloadCompleted) and file in record.files:
+            continue
+        if (
+            weight_map is None
+            or not file.endswith(".safetensors")
+            or any(file in files_for_layers(weight_map, layers) for layers in ranges)
+        ):
+            needers.append(node_id)
+    return min(needers, default=None)

@@ -25,6 +25,7 @@ from exo.catalog.model_dirs import (
 )
 from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
+from exo.shared.queries import hub_fetcher, layers_needed
 from exo.shared.types.commands import DeleteInstance
 from exo.shared.types.common import ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.downloads import (
@@ -44,9 +45,8 @@ from exo.shared.types.events import (
     TopologyEdgeDeleted,
     TopologyEdgeUpdated,
 )
-from exo.shared.types.instances import Instance
 from exo.shared.types.nodes import MemoryInfo, NodeInfo
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.state import State
 from exo.shared.types.text_generation import ChunkGenerated
 from exo.worker.download import DownloadError, download_model
 from exo.worker.download.hub import PEER_HUB_PREFIX
@@ -209,7 +209,7 @@ class Worker:
                 instance = state.instances[instance_id]
                 model_id = instance.model_id
                 previous = state.downloads.get(self.node_id, {}).get(model_id)
-                self._find_model(model_id, self._layers_needed(instance))
+                self._find_model(model_id, layers_needed(instance, self.node_id))
                 # Wait for our report to come back, so the planner sees it.
                 await self.replica.wait_for(
                     lambda s: s.downloads.get(self.node_id, {}).get(model_id) is not previous, timeout=10
@@ -258,13 +258,6 @@ class Worker:
             case _:
                 assert_never(action)
 
-    def _layers_needed(self, instance: Instance) -> tuple[int, int] | None:
-        """The layer range this node's pipeline rank runs; None when it needs every layer."""
-        shard = instance.shard_assignments.runner_to_shard[instance.shard_assignments.node_to_runner[self.node_id]]
-        if isinstance(shard, PipelineShardMetadata) and (shard.start_layer, shard.end_layer) != (0, shard.n_layers):
-            return shard.start_layer, shard.end_layer
-        return None
-
     def _find_model(self, model_id: ModelId, layers: tuple[int, int] | None) -> None:
         """Use a local copy, or download one (or the files of `layers`) in the background,
         reporting progress."""
@@ -282,6 +275,9 @@ class Worker:
     async def _download(self, model_id: ModelId, layers: tuple[int, int] | None) -> None:
         last_report = 0.0
         console = ConsoleProgress(model_id)
+        target = download_dir(self.exo_home, model_id)
+        # Where the files arrive: this node's peer hub serves them from there meanwhile.
+        arriving = str(partial_model_dir(target, model_id))
 
         def on_progress(downloaded: int, total: int, bytes_per_second: float) -> None:
             nonlocal last_report
@@ -290,6 +286,7 @@ class Worker:
                 total_bytes=total,
                 bytes_per_second=bytes_per_second,
                 eta_seconds=eta_seconds(downloaded, total, bytes_per_second),
+                path=arriving,
             )
             self._progress[model_id] = progress
             console.update(downloaded, total, bytes_per_second)
@@ -298,7 +295,6 @@ class Worker:
                 last_report = time.monotonic()
                 self._report_download(model_id, progress)
 
-        target = download_dir(self.exo_home, model_id)
         try:
             path = await download_model(
                 model_id,
@@ -307,6 +303,7 @@ class Worker:
                 layers=layers,
                 peers=self._peers_holding(model_id),
                 peer_token=self.peer_token,
+                feeder=lambda file, weight_map: self._feeder(model_id, file, weight_map),
             )
             outcome: DownloadProgress = _completed(path, None if is_complete_model_dir(path) else layers)
         except DownloadError as error:
@@ -370,17 +367,26 @@ class Worker:
         peers = {}
         for node_id, records in state.downloads.items():
             record = records.get(model_id)
-            connection = state.topology.connection(self.node_id, node_id)
-            node = state.nodes.get(node_id)
-            if (
-                node_id == self.node_id
-                or not isinstance(record, DownloadCompleted)
-                or connection is None
-                or node is None
-            ):
-                continue
-            peers[f"http://{connection.sink_ip}:{node.api_port}{PEER_HUB_PREFIX}"] = frozenset(record.files)
+            endpoint = self._peer_hub(state, node_id)
+            if isinstance(record, DownloadCompleted) and endpoint is not None:
+                peers[endpoint] = frozenset(record.files)
         return peers
+
+    def _feeder(self, model_id: ModelId, file: str, weight_map: dict[str, str] | None) -> str | None:
+        """The peer hub to stream `file` from while it arrives there: that of the node
+        State says takes it from the hub (shared/queries.py's hub_fetcher), unless that is
+        this node. Called from the download's thread; State is replaced, never mutated."""
+        state = self.replica.state
+        fetcher = hub_fetcher(state, model_id, file, weight_map)
+        return None if fetcher is None else self._peer_hub(state, fetcher)
+
+    def _peer_hub(self, state: State, node_id: NodeId) -> str | None:
+        """Another node's peer hub endpoint, if this node has a link to it."""
+        connection = state.topology.connection(self.node_id, node_id)
+        node = state.nodes.get(node_id)
+        if node_id == self.node_id or connection is None or node is None:
+            return None
+        return f"http://{connection.sink_ip}:{node.api_port}{PEER_HUB_PREFIX}"
 
     def _report_download(self, model_id: ModelId, progress: DownloadProgress) -> None:
         self.emit(NodeDownloadProgress(node_id=self.node_id, model_id=model_id, progress=progress))

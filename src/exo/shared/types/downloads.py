@@ -18,6 +18,9 @@ class DownloadOngoing(FrozenModel):
     bytes_per_second: float = 0.0
     # Seconds left at the current speed; None until there is a speed to go by.
     eta_seconds: float | None = None
+    # The dir the files arrive in (verified ones under their own names, the one
+    # streaming as `<name>.partial`), which the node's peer hub serves from as they arrive.
+    path: str | None = None
 
 
 class DownloadCompleted(FrozenModel):

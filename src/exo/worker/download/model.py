@@ -69,6 +69,8 @@ WANTED_FILE_PATTERNS = (
 )
 
 ProgressCallback = Callable[[int, int, float], None]
+# (file name, the model's weight map if known) -> a peer hub to stream the file from, or None.
+Feeder = Callable[[str, dict[str, str] | None], str | None]
 T = TypeVar("T")
 
 
@@ -270,6 +272,7 @@ async def download_model(
     layers: tuple[int, int] | None = None,
     peers: Mapping[str, frozenset[str]] | None = None,
     peer_token: str | None = None,
+    feeder: Feeder | None = None,
 ) -> Path:
     """Downloads `model_id` ("org/name") into `target_dir/org--name` and returns that dir;
     with `layers` [start, end), only the weight files those layers need, and returns the
@@ -277,7 +280,9 @@ async def download_model(
     other nodes' peer hubs (api/peer_files.py), each with the files it holds; a file is
     taken from a peer holding it before the hub, and checked against the hub's hashes
     (the peers' own listing when the hub does not answer); `peer_token` is what the
-    peers' APIs want when they need a key.
+    peers' APIs want when they need a key. `feeder(file, weight_map)`: the peer hub of
+    the node that takes a file from the hub for every node needing it, if that is not
+    this one; the file is streamed from it as it arrives there, then from the hub.
 
     Calls on_progress(downloaded_bytes, total_bytes, bytes_per_second) at the start, every
     POLL_SECONDS while a file downloads, after each file and at the end (downloaded ==
@@ -304,7 +309,7 @@ async def download_model(
                 )
             _check_online(model_id)
             with client(peer_token) as http:
-                sources = _Sources(http, model_id, endpoint, dict(peers or {}))
+                sources = _Sources(http, model_id, endpoint, dict(peers or {}), feeder)
                 return await _download(sources, partial_dir, final_dir, on_progress, layers, cancel)
         except OSError as error:
             raise _os_error(error, model_id, target_dir, None) from error
@@ -316,8 +321,18 @@ async def download_model(
 class _Sources:
     """Where a model's files come from: peers that hold them, then the hub."""
 
-    def __init__(self, http: httpx.Client, model_id: str, endpoint: str, peers: dict[str, frozenset[str]]) -> None:
+    def __init__(
+        self,
+        http: httpx.Client,
+        model_id: str,
+        endpoint: str,
+        peers: dict[str, frozenset[str]],
+        feeder: Feeder | None = None,
+    ) -> None:
         self.http, self.model_id, self.endpoint, self.peers = http, model_id, endpoint, peers
+        self.feeder = feeder
+        # The model's safetensors index once read: which node needs which weight file.
+        self.weight_map: dict[str, str] | None = None
 
     def list_repo(self, partial_dir: Path) -> tuple[str, list[RepoFile]]:
         """The hub's listing; if the hub does not answer, what the peers hold, and the
@@ -344,7 +359,9 @@ class _Sources:
         self, revision: str, file: RepoFile, directory: Path, cancel: threading.Event, on_bytes: Callable[[int], None]
     ) -> Path:
         holders = [peer for peer, files in self.peers.items() if file.name in files]
-        for source in [*holders, self.endpoint]:
+        # Asked when the file's turn comes, from State as it is then.
+        fed_by = self.feeder(file.name, self.weight_map) if self.feeder is not None and not holders else None
+        for source in [*holders, *([fed_by] if fed_by else []), self.endpoint]:
             try:
                 path = fetch_verified(
                     self.http, Call(source, self.model_id, file.name), revision, file, directory, cancel, on_bytes
@@ -385,6 +402,7 @@ async def _download(
         if not (partial_dir / INDEX_FILE).is_file():
             await fetch(index, lambda n: None)
         weight_map = _weight_map((partial_dir / INDEX_FILE).read_bytes(), model_id)
+        sources.weight_map = weight_map
     files = _select_weights(listed, weight_map, layers, model_id)
     # Small files first, so a missing tokenizer or config fails before the weights.
     files.sort(key=lambda file: (file.name.endswith(".safetensors"), file.size or 0, file.name))

@@ -1,11 +1,12 @@
-"""Images on a 2-node pipeline: the tiny Gemma 4 VLMs (E2B/E4B and 26B-A4B layouts) and
-Qwen2.5-VL split across two real nodes on 127.0.0.1. Rank 0 alone runs the vision tower
-and sends the features to rank 1 (Gemma 4's per-layer inputs are projected from the
-embeddings, so rank 1 needs them too), with Qwen2.5-VL's 3-D positions; the image bytes
-are not broadcast to rank 1. The first token's top-20 log-probabilities, sent with the
-openai SDK as a data URL, equal transformers' forward within 1e-3, for two different
-images, with prefill chunks whose boundaries fall inside the image's run (except for the
-26B-A4B layout, whose image runs are prefilled whole)."""
+"""Images on 2 nodes: the tiny Gemma 4 VLMs (E2B/E4B and 26B-A4B layouts) and Qwen2.5-VL
+split by pipeline, and the Gemma 4 ones by tensor parallelism, across two real nodes on
+127.0.0.1. Rank 0 alone runs the vision tower and sends the features to the other rank
+(Gemma 4's per-layer inputs are projected from the embeddings, so every rank needs
+them), with Qwen2.5-VL's 3-D positions; the image bytes are not broadcast. The first
+token's top-20 log-probabilities, sent with the openai SDK as a data URL, equal
+transformers' forward within 1e-3, for two different images, with prefill chunks whose
+boundaries fall inside the image's run (except for the 26B-A4B layout, whose image runs
+are prefilled whole)."""
 
 import base64
 import io
@@ -43,8 +44,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, vlm_dir: Path) -> Iterator
         yield nodes
 
 
-def _place_pipeline(node, model: str) -> str:
-    body = {"model_id": model, "sharding": "Pipeline", "min_nodes": 2}
+def _place_split(node, model: str, sharding: str) -> str:
+    body = {"model_id": model, "sharding": sharding, "min_nodes": 2}
     response = node.post("/place_instance", json=body)
     assert response.status_code == 200, response.text
     params = {"instance_id": response.json()["instance_id"]}
@@ -56,10 +57,14 @@ def _place_pipeline(node, model: str) -> str:
     return params["instance_id"]
 
 
-@pytest.mark.parametrize("family", list(VLM_MODELS))
-def test_pipeline_logprobs_equal_transformers(cluster: Cluster, vlm_dir: Path, family: str) -> None:
+# Tensor where the language model has a strategy (Qwen2.5-VL's has none yet).
+SPLITS = [(family, "Pipeline") for family in VLM_MODELS] + [("gemma4_vlm", "Tensor"), ("gemma4_moe_vlm", "Tensor")]
+
+
+@pytest.mark.parametrize(("family", "sharding"), SPLITS)
+def test_split_logprobs_equal_transformers(cluster: Cluster, vlm_dir: Path, family: str, sharding: str) -> None:
     model = VLM_MODELS[family]
-    instance_id = _place_pipeline(cluster[0], model)
+    instance_id = _place_split(cluster[0], model, sharding)
     path = vlm_dir / model.replace("/", "--")
     diffs = {}
     for index, (name, data) in enumerate(IMAGES.items()):
@@ -81,7 +86,7 @@ def test_pipeline_logprobs_equal_transformers(cluster: Cluster, vlm_dir: Path, f
         served = np.array([alt.logprob for alt in entry.top_logprobs])
         diffs[name] = float(np.abs(served - reference).max())
         assert completion.usage.prompt_tokens == len(ids)
-    print(f"{family} on a 2-node pipeline, max |logprob diff| per image: {diffs}")
+    print(f"{family}, 2 nodes, {sharding}: max |logprob diff| per image: {diffs}")
     assert cluster[0].delete(f"/instance/{instance_id}").status_code == 200
     cluster[0].wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=60, what="instances gone")
     assert max(diffs.values()) <= TOLERANCE
