@@ -259,3 +259,13 @@ def test_bad_images_are_a_400_naming_the_problem(node: ExoNode, image_server: st
     assert olla.status_code == 400 and "could not be decoded" in olla.json()["error"]
     # Still serving.
     assert _ask(node, _data_url(IMAGES["first"])).usage.completion_tokens == 1
+
+
+def test_the_models_say_vision_where_it_works(node: ExoNode) -> None:
+    """/v1/models and Ollama's /api/show (which Open WebUI reads before it lets a user
+    attach an image) say vision for the local VLM dirs, from their configs."""
+    listed = {entry["id"]: entry for entry in node.get("/v1/models").json()["data"]}
+    for model in VLM_MODELS.values():
+        assert "vision" in listed[model]["capabilities"], listed[model]
+        shown = node.post("/ollama/api/show", json={"model": model}).json()
+        assert "vision" in shown["capabilities"], shown

@@ -234,7 +234,7 @@ def model_entry(card: ModelCard) -> dict[str, Any]:
 
 def show_body(card: ModelCard, thinks: bool) -> dict[str, Any]:
     """`thinks`: whether the engine splits the model's reasoning off (its think markers)."""
-    capabilities = ["completion"] + (["vision"] if card.vision else [])
+    capabilities = ["completion"] + (["vision"] if "vision" in card.capabilities else [])
     capabilities += ["thinking"] if thinks or card.reasoning_dialect.value != "none" else []
     return {
         "modelfile": "",
