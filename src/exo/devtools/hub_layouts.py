@@ -3,7 +3,9 @@
 `save_pretrained` writes what transformers' own loader reads back, which for some
 families is not what the published checkpoints hold (and so not what mlx-lm's `sanitize`
 reads). `to_hub_layout` rewrites the tensors transformers saved into the published
-layout; the numbers are the transformers model's, only names and shapes change.
+layout; the numbers are the transformers model's, only names and shapes change (gpt-oss'
+experts are MXFP4 as published: `as_published` first rounds them to it in the
+transformers model too).
 `reference_model` builds the transformers model of a config, also for the two families
 transformers has no causal-LM class of their own model_type for (Kimi K2.5, Step 3.5):
 each says below why what it builds is transformers' computation of that model."""
@@ -50,18 +52,57 @@ def reference_model(model_type: str, hf_config):
     return transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
 
 
+_MXFP4_GROUP = 32
+# openai/gpt-oss' quantization_config: only the experts are MXFP4.
+_GPT_OSS_QUANTIZATION = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
+
+
+def _mxfp4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., out, in] float as MXFP4: blocks [..., out, in/32, 16] (two 4-bit E2M1 codes
+    a byte, the even element in the low nibble) and E8M0 scales [..., out, in/32]. MLX's
+    quantizer makes the codes (its packing and scales are the format's); which codes it
+    picks does not matter, both sides read the same ones."""
+    import mlx.core as mx
+    import numpy as np
+
+    codes, scales = mx.quantize(mx.array(weight.numpy()), group_size=_MXFP4_GROUP, bits=4, mode="mxfp4")[:2]
+    blocks = np.array(codes).view(np.uint8).reshape(*weight.shape[:-1], weight.shape[-1] // _MXFP4_GROUP, 16)
+    return torch.from_numpy(blocks.copy()), torch.from_numpy(np.array(scales))
+
+
+def _gpt_oss_experts_as_mxfp4(model) -> None:
+    """Rounds every expert matrix to what its MXFP4 blocks hold, dequantized by
+    transformers' own gpt-oss loader (`convert_moe_packed_tensors`), so the reference
+    computes with exactly the published checkpoint's numbers."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for param in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                blocks, scales = _mxfp4_blocks(param.transpose(1, 2).contiguous())
+                param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+
+
 def _gpt_oss(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """openai/gpt-oss stores each expert's matrices as [out, in] MXFP4 blocks
-    (`experts.gate_up_proj_blocks` with gate and up rows interleaved, `_scales` beside
-    them); transformers computes x @ W with them as [in, out]. Written here as float in
-    the [out, in] layout, named as mlx-lm's sanitize names the blocks it reads
-    (`experts.gate_up_proj.weight` [E, 2I, H], `experts.down_proj.weight` [E, H, I]);
-    biases and everything else as published."""
+    (`experts.gate_up_proj_blocks` [E, 2I, H/32, 16] with gate and up rows interleaved,
+    `experts.gate_up_proj_scales` [E, 2I, H/32], the same for `down_proj` [E, H, I]);
+    transformers computes x @ W with them as [in, out]. Biases and everything else as
+    published, in float."""
     out = {}
     for key, value in tensors.items():
         if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            key, value = f"{key}.weight", value.transpose(1, 2)
-        out[key] = value.contiguous()
+            out[f"{key}_blocks"], out[f"{key}_scales"] = _mxfp4_blocks(value.transpose(1, 2).contiguous())
+        else:
+            out[key] = value.contiguous()
     return out
 
 
@@ -126,6 +167,15 @@ _LAYOUTS = {"gpt_oss": _gpt_oss, "qwen3_5_moe": _qwen3_5_moe, "kimi_k25": _kimi_
 
 def has_own_layout(model_type: str) -> bool:
     return model_type in _LAYOUTS
+
+
+def as_published(model_type: str, model) -> dict:
+    """Rounds `model`'s weights to what the published format can hold (gpt-oss' MXFP4
+    experts); returns what the published config.json says of that format."""
+    if model_type == "gpt_oss":
+        _gpt_oss_experts_as_mxfp4(model)
+        return {"quantization_config": _GPT_OSS_QUANTIZATION}
+    return {}
 
 
 def to_hub_layout(model_type: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

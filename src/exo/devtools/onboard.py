@@ -20,7 +20,13 @@ import mlx.core as mx
 import numpy as np
 
 import exo.engine.mlx.models  # noqa: F401  (architectures mlx-lm lacks)
-from exo.devtools.hub_layouts import TEXT_PART_REFERENCE, has_own_layout, reference_model, to_hub_layout
+from exo.devtools.hub_layouts import (
+    TEXT_PART_REFERENCE,
+    as_published,
+    has_own_layout,
+    reference_model,
+    to_hub_layout,
+)
 from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import write_tokenizer
 
@@ -134,6 +140,7 @@ def write_reference_model(path: Path, config: dict, seed: int = 0):
     model_type = config["model_type"]
     model = reference_model(model_type, transformers.AutoConfig.for_model(**config))
     _randomise(model, seed)
+    published = as_published(model_type, model)
     if isinstance(model, transformers.PreTrainedModel):
         model.save_pretrained(path)
         # transformers writes its own spelling of some keys (rope_parameters, ...); the
@@ -147,7 +154,7 @@ def write_reference_model(path: Path, config: dict, seed: int = 0):
         from safetensors.torch import load_file
 
         _save_state_dict(path, to_hub_layout(model_type, load_file(path / "model.safetensors")))
-    (path / "config.json").write_text(json.dumps({**saved, **config}, indent=2))
+    (path / "config.json").write_text(json.dumps({**saved, **config, **published}, indent=2))
     return model
 
 

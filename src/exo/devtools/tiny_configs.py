@@ -448,7 +448,8 @@ TINY_CONFIGS: dict[str, dict] = {
         "vocab_size": _VOCAB,
     },
     # gpt-oss 20b: alternating sliding / full attention with sinks, biased experts with a
-    # clamped SwiGLU, YaRN rope.
+    # clamped SwiGLU, YaRN rope. intermediate_size 64: two MXFP4 groups of 32 in each row
+    # of an expert's down_proj, so a 2-way tensor split can cut it.
     "gpt_oss": {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
@@ -461,7 +462,7 @@ TINY_CONFIGS: dict[str, dict] = {
         "hidden_size": 64,
         "initial_context_length": 4096,
         "initializer_range": 0.08,
-        "intermediate_size": 32,
+        "intermediate_size": 64,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         "max_position_embeddings": 131072,
         "num_attention_heads": 8,
