@@ -13,8 +13,10 @@ Two references are not a transformers class of the config's own model_type, and 
 still transformers' computation of that model (devtools/hub_layouts.py says why):
 kimi_k25 is DeepseekV3ForCausalLM of its text config (what transformers' Kimi K2.5 runs
 a text prompt through), step3p5 is transformers' Step 3.7 Flash language model (whose
-config model_type is step3p5) under a linear head. gpt_oss also checks our fix of
-mlx-lm's YaRN rounding (engine/mlx/models/gpt_oss.py): 0.35 off before it."""
+config model_type is step3p5) under a linear head. gpt_oss also checks our fixes to
+mlx-lm's gpt-oss (engine/mlx/models/gpt_oss.py): YaRN's rounded correction range (0.35
+off before) and the SwiGLU clamp fixed at 7 whatever the config says (1.05 off before,
+with the tiny config's clamp of 1.5)."""
 
 import copy
 

@@ -449,7 +449,8 @@ TINY_CONFIGS: dict[str, dict] = {
     },
     # gpt-oss 20b: alternating sliding / full attention with sinks, biased experts with a
     # clamped SwiGLU, YaRN rope. intermediate_size 64: two MXFP4 groups of 32 in each row
-    # of an expert's down_proj, so a 2-way tensor split can cut it.
+    # of an expert's down_proj, so a 2-way tensor split can cut it. The clamp is 1.5, not
+    # 7: the tiny model's gate and up values reach about 2.6, so 7 would never clamp.
     "gpt_oss": {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
@@ -484,7 +485,7 @@ TINY_CONFIGS: dict[str, dict] = {
         "rope_theta": 150000,
         "router_aux_loss_coef": 0.9,
         "sliding_window": 16,
-        "swiglu_limit": 7.0,
+        "swiglu_limit": 1.5,
         "tie_word_embeddings": False,
         "use_cache": True,
         "vocab_size": _VOCAB,
@@ -656,7 +657,8 @@ TINY_CONFIGS: dict[str, dict] = {
     },
     # Step 3.5 Flash: sliding / full layers with different head counts, per-layer rope
     # theta and partial rope, head-wise attention gate, zero-centred norms, dense first
-    # layer then MoE with a shared expert and clamped SwiGLU.
+    # layer then MoE with a shared expert and clamped SwiGLU (clamped at 1.5, not 7 and 16,
+    # in the last layer: the tiny model's values reach about 2.5, so those would never clamp).
     "step3p5": {
         "architectures": ["Step3p5ForCausalLM"],
         "model_type": "step3p5",
@@ -698,8 +700,8 @@ TINY_CONFIGS: dict[str, dict] = {
         "rope_theta": [5000000.0, 10000.0, 10000.0, 5000000.0],
         "share_expert_dim": 32,
         "sliding_window": 16,
-        "swiglu_limits": [0.0, 0.0, 0.0, 7.0],
-        "swiglu_limits_shared": [0.0, 0.0, 0.0, 16.0],
+        "swiglu_limits": [0.0, 0.0, 0.0, 1.5],
+        "swiglu_limits_shared": [0.0, 0.0, 0.0, 1.5],
         "tie_word_embeddings": False,
         "use_head_wise_attn_gate": True,
         "use_moe_router_bias": True,

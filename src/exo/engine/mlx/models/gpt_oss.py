@@ -1,4 +1,5 @@
-"""gpt-oss as mlx-lm writes it, with YaRN's ramp as gpt-oss' config asks for it.
+"""gpt-oss as mlx-lm writes it, with YaRN's ramp and the SwiGLU clamp as gpt-oss'
+config asks for them.
 
 gpt-oss' configs say `"truncate": false` in `rope_scaling`: the band of rotary
 dimensions that blends interpolated and original frequencies starts and ends at the
@@ -7,15 +8,22 @@ fractional dimensions YaRN's formula gives, as OpenAI's reference computes it
 rounding) and transformers does. mlx-lm's `YarnRoPE` always rounds them (floor, ceil)
 and ignores the key, so the frequencies inside the band differ and the logits drift
 with the position (0.35 in a tiny random model over 64 tokens). Here the periods are
-computed unrounded when the config asks."""
+computed unrounded when the config asks. mlx-lm also clamps the experts' gate and up
+values at 7.0 whatever the config's `swiglu_limit` (7.0 in gpt-oss' own configs); here
+the config's value is used, as OpenAI's reference and transformers do."""
 
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models import gpt_oss as upstream
-from mlx_lm.models.gpt_oss import ModelArgs
 
 __all__ = ["Model", "ModelArgs"]
+
+
+@dataclass
+class ModelArgs(upstream.ModelArgs):
+    swiglu_limit: float = 7.0
 
 
 def unrounded_yarn_periods(dims: int, base: float, scaling: dict) -> mx.array:
@@ -45,3 +53,5 @@ class Model(upstream.Model):
             periods = unrounded_yarn_periods(args.head_dim, args.rope_theta, scaling)
             for layer in self.model.layers:
                 layer.self_attn.rope._freqs = periods
+        for layer in self.model.layers:
+            layer.mlp.experts.activation._limit = args.swiglu_limit
