@@ -178,3 +178,31 @@ def test_requests_beyond_the_admission_limit_wait_their_turn(engine, monkeypatch
         finished |= {chunk.command_id for chunk in chunks if chunk.finish_reason is not None}
     for name in REQUESTS:
         _assert_same(out[name], alone[name], name)
+
+
+def test_short_prompts_arriving_together_prefill_in_one_step_within_the_budget(engine, monkeypatch):
+    monkeypatch.setattr(engine_module, "PREFILL_STEP", 64)
+    names = ["a", "b", "c"]
+    for name in names:
+        engine.submit(CommandId(name), _params(1, 4))
+    progress: dict[str, int] = {}
+    first = engine.step()
+    # All three prompts (about 20 tokens each) fit in one step's 64 tokens: each has its
+    # first token after that step, none waits for another's prefill.
+    assert {chunk.command_id for chunk in first if chunk.token_ids} == set(names)
+    for chunk in first:
+        if chunk.prefill is not None:
+            progress[chunk.command_id] = chunk.prefill.processed_tokens
+    assert sum(progress.values()) <= 64
+    while engine.has_work:
+        engine.step()
+    # A long prompt takes at most 64 prompt tokens a step (none from the prefix cache).
+    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    engine.submit(CommandId("long"), _params(12, 2))
+    done = 0
+    while engine.has_work:
+        for chunk in engine.step():
+            if chunk.prefill is not None:
+                assert chunk.prefill.processed_tokens - done <= 64
+                done = chunk.prefill.processed_tokens
+    assert done > 64

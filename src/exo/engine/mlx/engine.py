@@ -1,11 +1,11 @@
-"""Generation with MLX: each step runs one prefill chunk of the oldest request still
-prefilling, then one batched forward that gives every decoding request its next token
-(engine/mlx/batching.py), so new requests join and cancellations land between steps and
-a new prompt holds running streams up by one chunk at most. Requests the batch cannot
-hold (images, caches other than plain KV) decode on their own mlx-lm `generate_step`
-stream. Beyond MAX_BATCH requests, later ones wait in arrival order. The model's text
-goes through the family's output parser, which splits reasoning and tool calls from the
-answer."""
+"""Generation with MLX: each step runs up to PREFILL_STEP prompt tokens of the requests
+still prefilling (oldest first), then one batched forward that gives every decoding
+request its next token (engine/mlx/batching.py), so new requests join and cancellations
+land between steps and new prompts hold running streams up by one chunk at most.
+Requests the batch cannot hold (images, caches other than plain KV) decode on their own
+mlx-lm `generate_step` stream. Beyond MAX_BATCH requests, later ones wait in arrival
+order. The model's text goes through the family's output parser, which splits reasoning
+and tool calls from the answer."""
 
 import json
 import math
@@ -420,9 +420,14 @@ class MlxEngine:
         running = list(self._requests.values())[:MAX_BATCH]
         self._batch.keep_only(request.request_id for request in running if request.in_batch)
         chunks: list[ChunkGenerated] = []
-        prefilling = next((request for request in running if request.prefilling), None)
-        if prefilling is not None:
-            chunks.append(self._prefill(prefilling))
+        # At most PREFILL_STEP prompt tokens a step, oldest first: short prompts arriving
+        # together all prefill in one step, a long one takes a chunk a step.
+        budget = PREFILL_STEP
+        for request in running:
+            if budget > 0 and request.prefilling:
+                before = request.prefilled
+                chunks.append(self._prefill(request, budget))
+                budget -= request.prefilled - before
         for request in running:
             if request.prefilling or request.in_batch:
                 continue
@@ -438,9 +443,9 @@ class MlxEngine:
             chunks.append(self._token_chunk(self._requests[request_id], token, logprobs))
         return chunks
 
-    def _prefill(self, request: _Request) -> ChunkGenerated:
+    def _prefill(self, request: _Request, budget: int) -> ChunkGenerated:
         assert self.model is not None
-        end = min(request.prefilled + PREFILL_STEP, len(request.prompt) - 1)
+        end = min(request.prefilled + budget, len(request.prompt) - 1)
         whole_runs = request.vision is not None and request.vision.whole_runs
         if request.vision is not None:
             end = request.vision.chunk_end(request.prefilled, end)
