@@ -17,7 +17,8 @@ from exo.api.port import ClusterPort
 from exo.engine.encoding.chat_prompt import render_prompt
 from exo.engine.parsing.output import think_markers_for, vocabulary_think_markers
 from exo.shared.models.model_cards import ModelCard
-from exo.shared.types.text_generation import TextGenerationTaskParams
+from exo.shared.models.vision import image_prompt_tokens
+from exo.shared.types.text_generation import TextGenerationTaskParams, image_hashes_in_order
 
 # MLX seeds its generator with an unsigned 64-bit integer.
 MAX_SEED = 2**64 - 1
@@ -155,7 +156,26 @@ def _prompt_tokens(
     model_dir = cluster.local_model_dir(params.model)
     chat = chat_tokenizer_at(model_dir) if model_dir is not None and params.prompt is None else None
     exact = chat_prompt_token_count(chat, params, card.reasoning_dialect.value) if chat is not None else None
-    return exact if exact is not None else prompt_token_count(tokenizer, params)
+    counted = exact if exact is not None else prompt_token_count(tokenizer, params)
+    return counted + _image_tokens(model_dir, params)
+
+
+@lru_cache(maxsize=8)
+def _vision_configs(path: Path) -> tuple[dict, dict] | None:
+    try:
+        return json.loads((path / "config.json").read_text()), json.loads((path / "preprocessor_config.json").read_text())
+    except (OSError, ValueError):  # no processor config: only the placeholders count
+        return None
+
+
+def _image_tokens(model_dir: Path | None, params: TextGenerationTaskParams) -> int:
+    """The tokens the images add beyond the one placeholder each the template writes."""
+    configs = _vision_configs(model_dir) if model_dir is not None and params.images else None
+    if configs is None:
+        return 0
+    by_hash = {image.sha256: image for image in params.images}
+    shown = [by_hash[sha] for sha in image_hashes_in_order(params) if sha in by_hash]
+    return sum(image_prompt_tokens(*configs, image.width, image.height) - 1 for image in shown if image.width)
 
 
 def context_length_error(tokens: int, context: int, model: str) -> ApiError:

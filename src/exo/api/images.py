@@ -101,6 +101,8 @@ def _checked(data: bytes, number: int) -> ImageInput:
         sha256=hashlib.sha256(data).hexdigest(),
         media_type=Image.MIME.get(kind, "application/octet-stream"),
         data_base64=base64.b64encode(data).decode(),
+        width=size[0],
+        height=size[1],
     )
 
 

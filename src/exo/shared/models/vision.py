@@ -1,6 +1,7 @@
 """Which models exo can show images to: the one fact cards, the catalog and the engine
 all read, so a card says `vision` only where the engine runs the model's vision side."""
 
+import math
 from typing import Any
 
 # Config model_types whose vision tower, projector and processor exo wires to the
@@ -20,3 +21,53 @@ def bidirectional_images(config: dict[str, Any]) -> bool:
     the sliding-window layers."""
     text = config.get("text_config") or {}
     return text.get("use_bidirectional_attention") == "vision"
+
+
+def image_prompt_tokens(config: dict[str, Any], processor: dict[str, Any], width: int, height: int) -> int:
+    """The tokens an image of this size takes in the prompt, its begin and end markers
+    included, as the family's processor sizes it (so the API can count a prompt before
+    the engine builds it). 1 for a family it does not know."""
+    model_type = config.get("model_type")
+    if model_type == "gemma4":
+        patch = int(processor.get("patch_size", 16))
+        pool = int(processor.get("pooling_kernel_size", 3))
+        budget = int(processor.get("max_soft_tokens", 280))
+        rows, columns = _gemma4_size(height, width, patch, budget * pool**2, pool)
+        return (rows // patch) * (columns // patch) // pool**2 + 2
+    if model_type == "qwen2_5_vl":
+        patch = int(processor.get("patch_size", 14))
+        merge = int(processor.get("merge_size", 2))
+        size = processor.get("size") or {}
+        low = int(processor.get("min_pixels") or size.get("shortest_edge") or 56 * 56)
+        high = int(processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280)
+        rows, columns = _qwen_size(height, width, patch * merge, low, high)
+        return (rows // patch) * (columns // patch) // merge**2
+    return 1
+
+
+def _gemma4_size(height: int, width: int, patch: int, max_patches: int, pool: int) -> tuple[int, int]:
+    """Gemma 4's aspect-preserving resize: the largest size within the patch budget whose
+    sides are multiples of pool * patch."""
+    factor = math.sqrt(max_patches * patch**2 / (height * width))
+    side = pool * patch
+    rows = math.floor(factor * height / side) * side
+    columns = math.floor(factor * width / side) * side
+    longest = (max_patches // pool**2) * side
+    if rows == 0:
+        rows, columns = side, min(math.floor(width / height) * side, longest)
+    elif columns == 0:
+        rows, columns = min(math.floor(height / width) * side, longest), side
+    return rows, columns
+
+
+def _qwen_size(height: int, width: int, factor: int, low: int, high: int) -> tuple[int, int]:
+    """Qwen2-VL's smart resize: sides multiples of `factor`, pixels within [low, high]."""
+    rows, columns = round(height / factor) * factor, round(width / factor) * factor
+    if rows * columns > high:
+        beta = math.sqrt(height * width / high)
+        rows = max(factor, math.floor(height / beta / factor) * factor)
+        columns = max(factor, math.floor(width / beta / factor) * factor)
+    elif rows * columns < low:
+        beta = math.sqrt(low / (height * width))
+        rows, columns = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return rows, columns

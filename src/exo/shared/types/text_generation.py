@@ -27,6 +27,9 @@ class ImageInput(FrozenModel):
     sha256: str
     media_type: str
     data_base64: str
+    # Pixels, for counting the prompt's tokens before the engine processes the image.
+    width: int = 0
+    height: int = 0
 
     @property
     def data(self) -> bytes:

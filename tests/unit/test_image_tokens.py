@@ -1,0 +1,38 @@
+"""How many prompt tokens an image takes, counted by the API before the engine runs the
+processor (shared/models/vision.py), equals what transformers' own image processors
+give (the PIL ones), for Gemma 4 and Qwen2.5-VL, across shapes and sizes."""
+
+import numpy as np
+from PIL import Image
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from exo.shared.models.vision import image_prompt_tokens
+
+SIZES = [(96, 96), (200, 50), (37, 300), (1000, 800), (13, 13), (640, 480)]
+GEMMA4 = {"patch_size": 16, "pooling_kernel_size": 3, "max_soft_tokens": 280}
+GEMMA4_TINY = {"patch_size": 4, "pooling_kernel_size": 3, "max_soft_tokens": 70}
+QWEN = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280}
+QWEN_TINY = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 16 * 16, "max_pixels": 128 * 128}
+
+
+def _image(width: int, height: int) -> Image.Image:
+    return Image.fromarray(np.zeros((height, width, 3), dtype=np.uint8))
+
+
+def test_gemma4_counts_match_transformers() -> None:
+    for processor in (GEMMA4, GEMMA4_TINY):
+        reference = Gemma4ImageProcessorPil(**processor)
+        for width, height in SIZES:
+            soft = int(reference(images=[_image(width, height)], return_tensors="np")["num_soft_tokens_per_image"][0])
+            # Its soft tokens between the begin and end markers.
+            assert image_prompt_tokens({"model_type": "gemma4"}, processor, width, height) == soft + 2, (width, height)
+
+
+def test_qwen2_5_vl_counts_match_transformers() -> None:
+    for processor in (QWEN, QWEN_TINY):
+        reference = Qwen2VLImageProcessorPil(**processor)
+        for width, height in SIZES:
+            grid = reference(images=[_image(width, height)], return_tensors="np")["image_grid_thw"][0]
+            merged = int(np.prod(grid)) // processor["merge_size"] ** 2
+            assert image_prompt_tokens({"model_type": "qwen2_5_vl"}, processor, width, height) == merged, (width, height)
