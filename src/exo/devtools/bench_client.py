@@ -1,0 +1,150 @@
+"""exo-bench's client side: streamed OpenAI Chat Completions, timed as a client sees them,
+against any server that speaks them (an exo node, mlx_lm.server).
+
+A request's time to first token is from sending it to its first streamed token; its
+decode rate counts the tokens after the first over the time from the first to the last.
+A round of N concurrent requests also has an aggregate: all requests' tokens after their
+first over the time from the earliest first token to the latest last one."""
+
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+# Words the tiny models' tokenizers were trained on: each stays a token or two.
+FILLER = "the cat runs over the quiet moon and the node sleeps while the cluster hums "
+
+
+@dataclass
+class Measured:
+    """One request, as the client saw it."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    tokens: int = 0
+    text: str = ""
+    sent_at: float = 0.0
+    first_at: float = 0.0
+    last_at: float = 0.0
+
+    @property
+    def ttft(self) -> float:
+        return self.first_at - self.sent_at
+
+    @property
+    def decode_tps(self) -> float:
+        return (self.tokens - 1) / max(self.last_at - self.first_at, 1e-9)
+
+
+@dataclass
+class Round:
+    """N requests sent at once."""
+
+    requests: list[Measured] = field(default_factory=list)
+
+    @property
+    def aggregate_tps(self) -> float:
+        decoded = sum(r.tokens - 1 for r in self.requests)
+        window = max(r.last_at for r in self.requests) - min(r.first_at for r in self.requests)
+        return decoded / max(window, 1e-9)
+
+    def summary(self) -> dict[str, Any]:
+        count = len(self.requests)
+        ttfts = [r.ttft for r in self.requests]
+        return {
+            "prompt_tokens": round(sum(r.prompt_tokens for r in self.requests) / count),
+            "cached_tokens": round(sum(r.cached_tokens for r in self.requests) / count),
+            "completion_tokens": round(sum(r.tokens for r in self.requests) / count),
+            "ttft_s": sum(ttfts) / count,
+            "ttft_max_s": max(ttfts),
+            "prefill_tps": sum(r.prompt_tokens / max(r.ttft, 1e-9) for r in self.requests) / count,
+            "decode_tps": sum(r.decode_tps for r in self.requests) / count,
+            "aggregate_tps": self.aggregate_tps,
+        }
+
+
+def messages_for(words: int, tag: str) -> list[dict[str, str]]:
+    """A user message of about `words` filler words, starting with `tag` so prompts with
+    different tags share no prefix beyond the chat template's header."""
+    filler = (FILLER * (words // 14 + 1)).split()[:words]
+    return [{"role": "user", "content": f"{tag} " + " ".join(filler)}]
+
+
+def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int, banned: list[int]) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # EOS banned: every request decodes exactly max_tokens tokens.
+        "logit_bias": {str(token): -100 for token in banned},
+    }
+
+
+def stream_chat(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Measured:
+    measured = Measured(sent_at=time.perf_counter())
+    pieces: list[str] = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=3600) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"{url}: {response.status_code} {response.text[:500]}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            if "error" in event:
+                raise RuntimeError(f"{url}: {event['error']}")
+            usage = event.get("usage")
+            if usage:
+                measured.tokens = usage["completion_tokens"]
+                measured.prompt_tokens = usage["prompt_tokens"]
+                measured.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            for choice in event.get("choices") or []:
+                delta = choice.get("delta") or {}
+                pieces.append(delta.get("content") or "")
+                now = time.perf_counter()
+                measured.first_at = measured.first_at or now
+                measured.last_at = now
+    measured.text = "".join(pieces)
+    return measured
+
+
+def concurrent_round(url: str, bodies: list[dict[str, Any]], headers: dict[str, str] | None = None) -> Round:
+    results: list[Measured | BaseException] = [Measured() for _ in bodies]
+
+    def run(index: int) -> None:
+        try:
+            results[index] = stream_chat(url, bodies[index], headers)
+        except BaseException as error:  # re-raised below, in the caller's thread
+            results[index] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return Round([r for r in results if isinstance(r, Measured)])
+
+
+def words_for_tokens(url: str, model: str, pp: int, headers: dict[str, str] | None = None) -> int:
+    """How many filler words make a prompt of about `pp` tokens on this server: two probe
+    prompts (tagged like the measured ones) give the template's overhead and the tokens
+    per word, and a third checks the guess once."""
+
+    def count(words: int) -> int:
+        tag = f"{uuid.uuid4().hex[:6]}r0p{pp}s0"
+        return stream_chat(url, chat_body(model, messages_for(words, tag), 1, []), headers).prompt_tokens
+
+    low, high = count(16), count(256)
+    per_word = max((high - low) / 240, 1e-3)
+    words = max(1, round(16 + (pp - low) / per_word))
+    return max(1, round(words + (pp - count(words)) / per_word))

@@ -1,0 +1,262 @@
+"""What exo-bench measures: exo nodes (started here on loopback, or an existing cluster
+at a URL) with the model placed one way at a time, mlx_lm.server on the same weights,
+and raw mlx-lm in this process (generate_step for one stream, BatchGenerator for
+several). Each target answers a round of concurrent chat requests with a `Round`."""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from exo.devtools.bench_client import Measured, Round, chat_body, concurrent_round
+
+PLACEMENTS = {"single": ("Pipeline", 1), "pipeline": ("Pipeline", 2), "tensor": ("Tensor", 2)}
+
+
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_http(url: str, process: subprocess.Popen[bytes] | None, log: Path | None, path: str) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{url} exited with {process.returncode}; see {log}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + path, timeout=1).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not start; see {log}")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@contextlib.contextmanager
+def loopback_nodes(count: int, scratch: Path, models_dir: Path | None) -> Iterator[str]:
+    """`count` exo nodes on 127.0.0.1, each with its own home, joined by bootstrap peers
+    (no multicast); yields the first node's API URL once all see each other."""
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    processes: list[subprocess.Popen[bytes]] = []
+    listen_ports: list[int] = []
+    urls: list[str] = []
+    try:
+        for index in range(count):
+            home = scratch / f"node{index}"
+            home.mkdir(parents=True, exist_ok=True)
+            api_port, listen_port = free_port(), free_port()
+            args = [sys.executable, "-m", "exo.main", "--api-port", str(api_port), "--api-host", "127.0.0.1"]
+            args += ["--listen-port", str(listen_port), "--discovery-port", str(free_port(socket.SOCK_DGRAM))]
+            args += ["--namespace", namespace, "--no-multicast", "--offline"]
+            if listen_ports:
+                args += ["--bootstrap-peers", ",".join(f"tcp/127.0.0.1:{p}" for p in listen_ports)]
+            env = {**os.environ, "EXO_HOME": str(home)}
+            if models_dir is not None:
+                env["EXO_MODELS_DIRS"] = str(models_dir)
+            log = home / "node.log"
+            with log.open("wb") as out:
+                processes.append(
+                    subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                )
+            listen_ports.append(listen_port)
+            urls.append(f"http://127.0.0.1:{api_port}")
+            _wait_http(urls[-1], processes[-1], log, "/node_id")
+        _wait_for(urls[0], lambda state: len(state["nodes"]) == count, "every node in the cluster")
+        if count > 1:
+            _wait_for(urls[0], lambda state: len(state["topology"]["connections"]) >= count, "the links probed")
+        yield urls[0]
+    finally:
+        for process in processes:
+            _stop(process)
+
+
+def _wait_for(url: str, ready: Any, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready(httpx.get(url + "/state", timeout=10).json()):
+            return
+        time.sleep(0.25)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+@dataclass
+class ExoTarget:
+    """An exo cluster at `url` with `model` placed as `placement` (single, pipeline,
+    tensor) while the target is in use."""
+
+    url: str
+    model: str
+    placement: str
+    api_key: str | None = None
+    instance_id: str | None = field(default=None, init=False)
+
+    @property
+    def name(self) -> str:
+        return f"exo {self.placement}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def open(self) -> None:
+        """Place the model alone: the cluster's other instances of it are deleted first,
+        so every request lands on this placement."""
+        state = httpx.get(self.url + "/state", headers=self.headers, timeout=30).json()
+        for instance_id, instance in state["instances"].items():
+            if _instance_model(instance) == self.model:
+                httpx.delete(f"{self.url}/instance/{instance_id}", headers=self.headers, timeout=30)
+        _wait_for(self.url, lambda s: not any(_instance_model(i) == self.model for i in s["instances"].values()), "old")
+        sharding, min_nodes = PLACEMENTS[self.placement]
+        body = {"model_id": self.model, "sharding": sharding, "min_nodes": min_nodes}
+        response = httpx.post(self.url + "/place_instance", json=body, headers=self.headers, timeout=60)
+        response.raise_for_status()
+        self.instance_id = response.json()["instance_id"]
+        params = {"instance_id": self.instance_id}
+        with httpx.stream(
+            "GET", self.url + "/instance/await", params=params, headers=self.headers, timeout=1800
+        ) as events:
+            last = [line for line in events.iter_lines() if line.startswith("event:")][-1]
+        if last != "event: ready":
+            raise RuntimeError(f"{self.name}: the instance did not become ready ({last})")
+
+    def round(self, messages: list[list[dict[str, str]]], max_tokens: int, banned: list[int]) -> Round:
+        bodies = [chat_body(self.model, m, max_tokens, banned) for m in messages]
+        return concurrent_round(self.url, bodies, self.headers)
+
+    def close(self) -> None:
+        if self.instance_id is not None:
+            httpx.delete(f"{self.url}/instance/{self.instance_id}", headers=self.headers, timeout=30)
+            self.instance_id = None
+
+
+def _instance_model(instance: dict[str, Any]) -> str:
+    return instance["shardAssignments"]["modelId"]
+
+
+@dataclass
+class ServerTarget:
+    """`python -m mlx_lm.server` on the same weights, on a free loopback port."""
+
+    model_dir: Path
+    scratch: Path
+    concurrency: int = 8
+    name: str = "mlx_lm.server"
+    process: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    url: str = field(default="", init=False)
+
+    def open(self) -> None:
+        port = free_port()
+        args = [sys.executable, "-m", "mlx_lm.server", "--model", str(self.model_dir), "--host", "127.0.0.1"]
+        args += ["--port", str(port), "--decode-concurrency", str(self.concurrency)]
+        log = self.scratch / "mlx_lm_server.log"
+        with log.open("wb") as out:
+            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        _wait_http(self.url, self.process, log, "/v1/models")
+
+    def round(self, messages: list[list[dict[str, str]]], max_tokens: int, banned: list[int]) -> Round:
+        # mlx_lm.server serves the model by its path.
+        bodies = [chat_body(str(self.model_dir), m, max_tokens, banned) for m in messages]
+        return concurrent_round(self.url, bodies)
+
+    def close(self) -> None:
+        if self.process is not None:
+            _stop(self.process)
+            self.process = None
+
+
+@dataclass
+class RawTarget:
+    """mlx-lm in this process, no server: generate_step for one stream, BatchGenerator
+    for several, on the chat template's tokens. No prefix cache: every round is cold."""
+
+    model_dir: Path
+    name: str = "mlx-lm"
+    model: Any = field(default=None, init=False)
+    tokenizer: Any = field(default=None, init=False)
+
+    def open(self) -> None:
+        self.model, self.tokenizer = load(str(self.model_dir))[:2]
+
+    def _tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def round(self, messages: list[list[dict[str, str]]], max_tokens: int, banned: list[int]) -> Round:
+        prompts = [self._tokens(m) for m in messages]
+        processors = make_logits_processors(logit_bias={token: -100.0 for token in banned}) if banned else []
+        if len(prompts) == 1:
+            return Round([self._one(prompts[0], max_tokens, processors)])
+        return self._batch(prompts, max_tokens, processors)
+
+    def _one(self, prompt: list[int], max_tokens: int, processors: list[Any]) -> Measured:
+        measured = Measured(prompt_tokens=len(prompt), sent_at=time.perf_counter())
+        tokens: list[int] = []
+        stream = generate_step(
+            mx.array(prompt),
+            self.model,
+            max_tokens=max_tokens,
+            sampler=make_sampler(temp=0.0),
+            logits_processors=processors or None,
+        )
+        for token, _ in stream:
+            now = time.perf_counter()
+            measured.first_at = measured.first_at or now
+            measured.last_at = now
+            tokens.append(int(token))
+        measured.tokens, measured.text = len(tokens), self.tokenizer.decode(tokens)
+        return measured
+
+    def _batch(self, prompts: list[list[int]], max_tokens: int, processors: list[Any]) -> Round:
+        start = time.perf_counter()
+        generator = BatchGenerator(
+            self.model,
+            max_tokens=max_tokens,
+            sampler=make_sampler(temp=0.0),
+            logits_processors=processors,
+            completion_batch_size=len(prompts),
+            prefill_batch_size=len(prompts),
+        )
+        uids = generator.insert(prompts, [max_tokens] * len(prompts))
+        measured = {uid: Measured(prompt_tokens=len(p), sent_at=start) for uid, p in zip(uids, prompts, strict=True)}
+        tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+        done: set[int] = set()
+        while len(done) < len(uids):
+            for response in generator.next_generated():
+                now = time.perf_counter()
+                entry = measured[response.uid]
+                entry.first_at = entry.first_at or now
+                entry.last_at = now
+                tokens[response.uid].append(response.token)
+                if response.finish_reason is not None:
+                    done.add(response.uid)
+        generator.close()
+        for uid in uids:
+            measured[uid].tokens, measured[uid].text = len(tokens[uid]), self.tokenizer.decode(tokens[uid])
+        return Round([measured[uid] for uid in uids])
+
+    def close(self) -> None:
+        self.model = self.tokenizer = None
