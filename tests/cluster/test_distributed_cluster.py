@@ -3,6 +3,7 @@ through the API like a single-node instance."""
 
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -168,6 +169,55 @@ def test_killing_one_rank_fails_the_request_and_the_model_moves_to_the_survivor(
     (replacement,) = state["instances"].values()
     assert list(replacement["shardAssignments"]["nodeToRunner"]) == [survivor.node_id()]
     assert greedy(survivor, max_tokens=4)
+
+
+def test_a_ring_port_taken_on_the_host_is_moved_and_the_instance_serves(two_nodes):
+    """Rank 0's ring port is held by another program's listener, rank 1's by a connection
+    left in TIME_WAIT. The ring would fail with `Couldn't bind socket (error: 98)` on the
+    first; the worker finds it taken before its runner binds and the master moves that
+    rank to another port. TIME_WAIT does not block a bind with SO_REUSEADDR (as MLX binds),
+    so rank 1 keeps its port."""
+    planned = (
+        two_nodes[0]
+        .get("/instance/placement", params={"model_id": TINY_MODEL_ID, "sharding": "Pipeline", "min_nodes": 2})
+        .json()
+    )
+    listener_host, lingering_host = planned["hosts"]
+    assert all(host.startswith("127.0.0.1:") for host in planned["hosts"]), planned["hosts"]
+    listener = socket.create_server(("127.0.0.1", int(listener_host.rsplit(":", 1)[1])))
+    _leave_in_time_wait(int(lingering_host.rsplit(":", 1)[1]))
+    try:
+        response = two_nodes[0].post("/instance", json={"instance": planned})
+        assert response.status_code == 200, response.text
+        instance_id = planned["instanceId"]
+        state = two_nodes[1].wait_for_state(
+            lambda s: (
+                instance_id in s["instances"]
+                and [r["kind"] for r in s["runners"].values()] == ["RunnerReady", "RunnerReady"]
+            ),
+            timeout=120,
+            what="both ranks ready",
+        )
+        hosts = state["instances"][instance_id]["hosts"]
+        assert hosts[0] != listener_host and hosts[1] == lingering_host, hosts
+        assert greedy(two_nodes[1], max_tokens=8)
+        events = [e["event"] for e in two_nodes[0].get("/events").json()]
+        assert [e["kind"] for e in events].count("InstanceRingMoved") == 1
+        statuses = [e["status"]["kind"] for e in events if e["kind"] == "RunnerStatusUpdated"]
+        assert "RunnerReady" in statuses and "RunnerFailed" not in statuses
+    finally:
+        listener.close()
+
+
+def _leave_in_time_wait(port: int) -> None:
+    """A connection accepted on `port` and closed from that side first: its local end
+    stays in TIME_WAIT on the port for a minute."""
+    with socket.create_server(("127.0.0.1", port)) as server:
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()
+        time.sleep(0.1)
+        client.close()
 
 
 THREE_WAY_MODEL_ID = "acme/tiny3"

@@ -31,6 +31,7 @@ from exo.shared.types.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    InstanceRingMoved,
     MasterElected,
     NodeDownloadDeleted,
     NodeDownloadProgress,
@@ -213,6 +214,15 @@ def test_instance_created_adds_the_instance(card: ModelCard):
     assert state.instances == {InstanceId("inst-1"): instance}
 
 
+def test_instance_ring_moved_changes_only_the_hosts(serving_state: State):
+    (instance_id, instance) = next(iter(serving_state.instances.items()))
+    moved = apply_event(serving_state, InstanceRingMoved(instance_id=instance_id, hosts=["10.0.0.1:31009"]))
+    assert moved.instances[instance_id] == instance.model_copy(update={"hosts": ["10.0.0.1:31009"]})
+    assert moved.runners == serving_state.runners
+    unknown = InstanceRingMoved(instance_id=InstanceId("gone"), hosts=["10.0.0.1:31009"])
+    assert apply_event(serving_state, unknown) == serving_state
+
+
 def test_instance_deleted_removes_the_instance_and_only_its_runners(serving_state: State, card: ModelCard):
     state = apply_all(
         serving_state,
@@ -321,6 +331,7 @@ def one_of_each_event(card: ModelCard) -> list[Event]:
         NodeTimedOut(node_id=NODE_B),
         InstanceCreated(instance=two_rank_instance(card, "inst-2", ("runner-c", "runner-d"))),
         InstanceDeleted(instance_id=InstanceId("inst-1"), reason="node-b timed out"),
+        InstanceRingMoved(instance_id=InstanceId("inst-2"), hosts=["10.0.0.1:31004", "10.0.0.2:31001"]),
         RunnerStatusUpdated(
             runner_id=RunnerId("runner-c"),
             status=RunnerLoading(layers_loaded=3, total_layers=21),

@@ -17,6 +17,7 @@ from exo.master.placement import (
     place_instance,
     split_layers,
     with_free_ring_ports,
+    with_ring_port_moved,
 )
 from exo.shared.models.model_cards import (
     ModelCard,
@@ -756,6 +757,25 @@ def test_the_master_moves_ports_of_placements_made_at_once_from_one_state():
     assert [host.split(":")[0] for host in moved.hosts] == ["127.0.0.1", "127.0.0.1"]
     assert set(moved.hosts).isdisjoint(first.hosts) and len(set(moved.hosts)) == 2
     assert moved.shard_assignments == second.shard_assignments
+
+
+def test_a_rank_whose_ring_port_is_taken_moves_to_a_port_no_instance_uses_nor_any_taken():
+    card = make_card(weights_gib=30)
+    state = two_nodes_reached_at(b_ip="127.0.0.1", a_ip="127.0.0.1")
+    other = place_instance(state, card)
+    state = state.model_copy(update={"instances": {other.instance_id: other}})
+    instance = with_free_ring_ports(state, place_instance(state, card))
+    taken_host, kept_host = instance.hosts
+    avoid = set(range(RING_BASE_PORT, RING_BASE_PORT + 10))
+
+    moved = with_ring_port_moved(state, instance, taken_host, avoid)
+
+    new_host, same_host = moved.hosts
+    new_port = int(new_host.rsplit(":", 1)[1])
+    assert same_host == kept_host and new_host.startswith("127.0.0.1:")
+    assert new_host not in instance.hosts and new_host not in other.hosts
+    assert new_port == RING_BASE_PORT + 10  # the first port past those found taken
+    assert moved.shard_assignments == instance.shard_assignments
 
 
 def test_a_hand_built_instance_with_a_port_that_is_no_number_is_refused():

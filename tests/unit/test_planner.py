@@ -46,6 +46,7 @@ from exo.worker.planner import (
     FindModel,
     ForwardTask,
     LocalRunner,
+    ReportRingPortTaken,
     RunnerStep,
     ShutdownRunner,
     plan,
@@ -285,6 +286,23 @@ def test_backoff_grows_with_the_attempt(card: ModelCard):
     local = local_runner(exited=True, exited_at=NOW, attempt=2)
     assert plan(NODE, state, local, NOW + RESTART_BACKOFF_SECONDS * 2 - 0.1) is None
     assert plan(NODE, state, local, NOW + RESTART_BACKOFF_SECONDS * 2) == CreateRunner(INSTANCE, RUNNER, attempt=3)
+
+
+def test_a_runner_started_on_ring_addresses_the_instance_no_longer_has_is_restarted(card: ModelCard):
+    # The master moved a rank's port (taken on its node): every rank restarts on the new ring.
+    state = single_node_state(card, RunnerIdle())
+    moved = state.instances[INSTANCE].model_copy(update={"hosts": ["127.0.0.1:31005", "127.0.0.1:31001"]})
+    state = state.model_copy(update={"instances": {INSTANCE: moved}})
+    local = local_runner(hosts=("127.0.0.1:31000", "127.0.0.1:31001"))
+    assert plan(NODE, state, local, NOW) == ShutdownRunner(RUNNER)
+    assert plan(NODE, state, local_runner(hosts=tuple(moved.hosts)), NOW) == RunnerStep(RUNNER, ConnectToGroup())
+
+
+def test_a_ring_bind_failure_asks_for_another_port_instead_of_counting_an_attempt(card: ModelCard):
+    failure = "RuntimeError: [ring] Couldn't bind socket (error: 98)"
+    state = single_node_state(card, RunnerFailed(error_message=failure, attempt=MAX_RUNNER_ATTEMPTS))
+    local = local_runner(exited=True, exited_at=NOW, attempt=MAX_RUNNER_ATTEMPTS, failure=failure)
+    assert plan(NODE, state, local, NOW) == ReportRingPortTaken(INSTANCE, RUNNER)
 
 
 def test_delete_instance_after_max_runner_attempts(card: ModelCard):

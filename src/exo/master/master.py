@@ -6,7 +6,13 @@ from collections.abc import Callable
 
 from loguru import logger
 
-from exo.master.placement import PlacementError, instance_problem, place_instance, with_free_ring_ports
+from exo.master.placement import (
+    PlacementError,
+    instance_problem,
+    place_instance,
+    with_free_ring_ports,
+    with_ring_port_moved,
+)
 from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
 from exo.shared.queries import download_running, has_task_for, instance_using_files, least_loaded_instance
@@ -18,6 +24,7 @@ from exo.shared.types.commands import (
     DeleteCustomModelCard,
     DeleteDownload,
     DeleteInstance,
+    MoveRingPort,
     RequestEventLog,
     StartDownload,
     TaskFinished,
@@ -40,6 +47,7 @@ from exo.shared.types.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    InstanceRingMoved,
     MasterElected,
     NodeTimedOut,
     TaskCreated,
@@ -57,6 +65,9 @@ from exo.shared.types.text_generation import ChunkGenerated
 
 # How often the master looks for nodes that stopped sending heartbeats.
 NODE_CHECK_SECONDS = 1.0
+# An instance whose ring ports were found taken this many times is given up on: something
+# on its nodes binds whatever port it is given.
+MAX_RING_PORT_MOVES = 16
 
 
 class Master:
@@ -76,6 +87,9 @@ class Master:
         self.replica = replica
         self.alive_nodes = alive_nodes
         self.alive_sessions = alive_sessions
+        # Ring ports some node found bound by another program: never handed out again.
+        self._taken_ring_ports: set[int] = set()
+        self._ring_moves: dict[InstanceId, int] = {}
         self._commands = router.subscribe(Topic.COMMANDS)
         self._local_events = router.subscribe(Topic.LOCAL_EVENTS)
 
@@ -176,6 +190,8 @@ class Master:
                     self.emit(CustomModelCardDeleted(model_id=model_id))
             case StartDownload() | CancelDownload() | DeleteDownload():
                 self._order_download(command)
+            case MoveRingPort(instance_id=instance_id, node_id=node_id, host=host):
+                self._move_ring_port(instance_id, node_id, host)
             case RequestEventLog(since_idx=since_idx):
                 for indexed in self.replica.history[since_idx:]:
                     self.router.publish(Topic.GLOBAL_EVENTS, indexed)
@@ -183,6 +199,22 @@ class Master:
                 for task in list(self.state.tasks.values()):
                     if task.command_id == finished_command_id:
                         self.emit(TaskDeleted(task_id=task.task_id))
+
+    def _move_ring_port(self, instance_id: InstanceId, node_id: NodeId, host: str) -> None:
+        instance = self.state.instances.get(instance_id)
+        if instance is None or host not in instance.hosts:
+            return  # already moved (the worker asks again until it sees the change)
+        if len(self._taken_ring_ports) > MAX_RING_PORT_MOVES * 8:
+            self._taken_ring_ports.clear()  # held long ago; most are free again
+        self._taken_ring_ports.add(int(host.rsplit(":", 1)[1]))
+        moves = self._ring_moves[instance_id] = self._ring_moves.get(instance_id, 0) + 1
+        reason = f"ring port {host} is taken on node {node_id}"
+        if moves > MAX_RING_PORT_MOVES:
+            self._delete_instance(instance_id, f"{reason}, after {MAX_RING_PORT_MOVES} other ports were too")
+            return
+        moved = with_ring_port_moved(self.state, instance, host, self._taken_ring_ports)
+        logger.warning(f"{reason}: instance {instance_id} moves to {moved.hosts}")
+        self.emit(InstanceRingMoved(instance_id=instance_id, hosts=moved.hosts, reason=reason))
 
     def _order_download(self, command: StartDownload | CancelDownload | DeleteDownload) -> None:
         """The API checked the command against its node's State; the master's may be newer."""

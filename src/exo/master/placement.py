@@ -404,6 +404,17 @@ def with_free_ring_ports(state: State, instance: Instance) -> Instance:
     return instance.model_copy(update={"hosts": _with_ports(ips, _ring_ports(state, len(ports)))})
 
 
+def with_ring_port_moved(state: State, instance: Instance, host: str, avoid: set[int]) -> Instance:
+    """`instance` with the rank listening on `host` given a port that no instance in
+    `state` uses and that is not in `avoid` (ports found taken on some node)."""
+    used = _used_ports([*state.instances.values(), instance]) | avoid
+    first = (max(state.last_event_applied_idx, 0) * 7) % RING_PORT_SPAN
+    (port,) = _free_ports(used, 1, first)
+    ip = host.rsplit(":", 1)[0].strip("[]")
+    hosts = [_with_ports([ip], [port])[0] if entry == host else entry for entry in instance.hosts]
+    return instance.model_copy(update={"hosts": hosts})
+
+
 def _used_ports(instances: Iterable[Instance]) -> set[int]:
     used = set()
     for instance in instances:

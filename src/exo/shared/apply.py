@@ -12,6 +12,7 @@ from exo.shared.types.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    InstanceRingMoved,
     MasterElected,
     NodeDownloadDeleted,
     NodeDownloadProgress,
@@ -73,6 +74,12 @@ def apply_event(state: State, event: Event) -> State:
                     "instance_deletions": dict(deletions[-MAX_DELETION_REASONS:]),
                 }
             )
+        case InstanceRingMoved(instance_id=instance_id, hosts=hosts):
+            instance = state.instances.get(instance_id)
+            if instance is None:
+                return state
+            moved = instance.model_copy(update={"hosts": hosts})
+            return state.model_copy(update={"instances": {**state.instances, instance_id: moved}})
         case CustomModelCardAdded(card=card):
             cards = {**state.custom_model_cards, ModelId(card.model_id): card}
             return state.model_copy(update={"custom_model_cards": cards})

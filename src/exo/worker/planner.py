@@ -23,6 +23,8 @@ from exo.shared.types.tasks import TaskStatus
 from exo.worker.runner_protocol import ConnectToGroup, LifecycleInstruction, LoadModel, RunnerInstruction, StartWarmup
 
 MAX_RUNNER_ATTEMPTS = 3
+# What MLX's ring backend raises when its port is bound already (errno 98, EADDRINUSE).
+RING_BIND_FAILURE = "Couldn't bind socket (error: 98)"
 RESTART_BACKOFF_SECONDS = 2.0
 
 
@@ -38,6 +40,10 @@ class LocalRunner:
     exited: bool
     exited_at: float | None
     attempt: int
+    # The instance's ring addresses the process was started with.
+    hosts: tuple[str, ...] = ()
+    # Its own account of why it failed, once it has.
+    failure: str | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,14 @@ class ShutdownRunner:
 class DeleteFailedInstance:
     instance_id: InstanceId
     reason: str
+
+
+@dataclass(frozen=True)
+class ReportRingPortTaken:
+    """The runner could not bind its ring port: ask the master for another."""
+
+    instance_id: InstanceId
+    runner_id: RunnerId
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,7 @@ PlannerAction = (
     CreateRunner
     | ShutdownRunner
     | DeleteFailedInstance
+    | ReportRingPortTaken
     | FindModel
     | RunnerStep
     | ForwardTask
@@ -181,7 +196,11 @@ def _plan_instance(
 
     if runner is None:
         return CreateRunner(instance.instance_id, runner_id)
+    if runner.hosts != tuple(instance.hosts):
+        return ShutdownRunner(runner_id)  # started on ring addresses the instance no longer has
     if runner.exited:
+        if runner.failure is not None and RING_BIND_FAILURE in runner.failure:
+            return ReportRingPortTaken(instance.instance_id, runner_id)  # bound by someone since the worker checked
         if runner.attempt >= MAX_RUNNER_ATTEMPTS:
             status = state.runners.get(runner_id)
             detail = status.error_message if isinstance(status, RunnerFailed) else "runner exited"

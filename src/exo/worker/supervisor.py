@@ -42,6 +42,9 @@ class RunnerSupervisor:
         self.sent: set[type[RunnerInstruction]] = set()
         self.in_flight: dict[TaskId, CommandId] = {}
         self.exited = False
+        # Told to stop: however it then exits (killed while still starting, say), that
+        # is a shutdown, not a failure.
+        self.stopping = False
         self.failure_message: str | None = None
         context = mp.get_context("spawn")
         self._conn, child_conn = context.Pipe()
@@ -99,8 +102,9 @@ class RunnerSupervisor:
         self.process.join(timeout=5)
         exit_code = self.process.exitcode
         # A runner exits 0 only after shutting down in order: told to by its supervisor,
-        # or, as a follower, by its rank 0 (whose node may see the deletion first).
-        if exit_code == 0:
+        # or, as a follower, by its rank 0 (whose node may see the deletion first). One
+        # its supervisor had to kill after asking it to stop was shut down too.
+        if exit_code == 0 or self.stopping:
             self.on_event(RunnerStatusUpdated(runner_id=self.runner_id, status=RunnerShutdown()))
             return
         message = self.failure_message or f"runner process exited unexpectedly (exit code {exit_code})"
@@ -117,6 +121,7 @@ class RunnerSupervisor:
 
     async def shutdown(self) -> None:
         self.send(Shutdown())
+        self.stopping = True
         for _ in range(50):
             if self.exited or not self.process.is_alive():
                 break

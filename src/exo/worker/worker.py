@@ -26,7 +26,7 @@ from exo.catalog.model_dirs import (
 from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
 from exo.shared.queries import hub_fetcher, layers_needed
-from exo.shared.types.commands import DeleteInstance
+from exo.shared.types.commands import DeleteInstance, MoveRingPort
 from exo.shared.types.common import ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.downloads import (
     DownloadCancelled,
@@ -45,6 +45,7 @@ from exo.shared.types.events import (
     TopologyEdgeDeleted,
     TopologyEdgeUpdated,
 )
+from exo.shared.types.instances import Instance
 from exo.shared.types.nodes import MemoryInfo, NodeInfo
 from exo.shared.types.state import State
 from exo.shared.types.text_generation import ChunkGenerated
@@ -63,11 +64,13 @@ from exo.worker.planner import (
     ForwardTask,
     LocalRunner,
     PlannerAction,
+    ReportRingPortTaken,
     RunnerStep,
     ShutdownRunner,
     StartModelDownload,
     plan,
 )
+from exo.worker.ring_ports import own_ring_host, ring_port_taken
 from exo.worker.runner_protocol import SubmitTask
 from exo.worker.supervisor import RunnerSupervisor
 
@@ -199,6 +202,8 @@ class Worker:
                 exited=supervisor.exited,
                 exited_at=self.exited_at.get(runner_id),
                 attempt=supervisor.attempt,
+                hosts=tuple(supervisor.instance.hosts),
+                failure=supervisor.failure_message,
             )
         return local
 
@@ -215,6 +220,10 @@ class Worker:
                     lambda s: s.downloads.get(self.node_id, {}).get(model_id) is not previous, timeout=10
                 )
             case CreateRunner(instance_id=instance_id, runner_id=runner_id, attempt=attempt):
+                host = own_ring_host(state.instances[instance_id], runner_id)
+                if host is not None and await asyncio.to_thread(ring_port_taken, host):
+                    await self._move_ring_port(state.instances[instance_id], host)
+                    return
                 old = self.supervisors.pop(runner_id, None)
                 if old is not None:
                     await old.shutdown()
@@ -233,6 +242,11 @@ class Worker:
                 await supervisor.shutdown()
                 self.forwarded.pop(runner_id, None)
                 self.exited_at.pop(runner_id, None)
+            case ReportRingPortTaken(instance_id=instance_id, runner_id=runner_id):
+                instance = state.instances[instance_id]
+                host = own_ring_host(instance, runner_id)
+                if host is not None:
+                    await self._move_ring_port(instance, host)
             case DeleteFailedInstance(instance_id=instance_id, reason=reason):
                 logger.error(f"giving up on instance {instance_id}: {reason}")
                 self.router.publish(Topic.COMMANDS, DeleteInstance(instance_id=instance_id, reason=reason))
@@ -257,6 +271,16 @@ class Worker:
                 await self._delete_files(model_id)
             case _:
                 assert_never(action)
+
+    async def _move_ring_port(self, instance: Instance, host: str) -> None:
+        """Asks the master to move this rank off `host`, taken on this node, and waits
+        for the instance's new addresses (its runners then restart on them)."""
+        logger.warning(f"ring port {host} of instance {instance.instance_id} is taken on this node; asking for another")
+        self.router.publish(
+            Topic.COMMANDS, MoveRingPort(instance_id=instance.instance_id, node_id=self.node_id, host=host)
+        )
+        with contextlib.suppress(TimeoutError):
+            await self.replica.wait_for(lambda s: _ring_moved(s, instance), timeout=10)
 
     def _find_model(self, model_id: ModelId, layers: tuple[int, int] | None) -> None:
         """Use a local copy, or download one (or the files of `layers`) in the background,
@@ -397,6 +421,11 @@ class Worker:
         for supervisor in list(self.supervisors.values()):
             await supervisor.shutdown()
         self.supervisors.clear()
+
+
+def _ring_moved(state: State, instance: Instance) -> bool:
+    current = state.instances.get(instance.instance_id)
+    return current is None or current.hosts != instance.hosts
 
 
 def _completed(model_dir: Path, layers: tuple[int, int] | None) -> DownloadCompleted:

@@ -76,6 +76,17 @@ class DeleteDownload(_DownloadCommand):
     kind: Literal["DeleteDownload"] = "DeleteDownload"
 
 
+class MoveRingPort(CommandBase):
+    """A worker found its rank's ring address `host` (an entry of the instance's hosts)
+    already bound on its node, by another program or cluster: the master gives that rank
+    another port before its runner binds."""
+
+    kind: Literal["MoveRingPort"] = "MoveRingPort"
+    instance_id: InstanceId
+    node_id: NodeId
+    host: str
+
+
 class RequestEventLog(CommandBase):
     """A node saw a gap in the indexes; the master re-sends events from since_idx on."""
 
@@ -93,6 +104,7 @@ Command = Annotated[
     | StartDownload
     | CancelDownload
     | DeleteDownload
+    | MoveRingPort
     | RequestEventLog,
     Field(discriminator="kind"),
 ]

@@ -52,6 +52,16 @@ class InstanceDeleted(FrozenModel):
     reason: str = ""
 
 
+class InstanceRingMoved(FrozenModel):
+    """The instance's ring addresses changed (a rank's port was taken on its node): its
+    runners restart on the new ones."""
+
+    kind: Literal["InstanceRingMoved"] = "InstanceRingMoved"
+    instance_id: InstanceId
+    hosts: list[str]
+    reason: str = ""
+
+
 class RunnerStatusUpdated(FrozenModel):
     """A late report from a runner of a deleted instance changes nothing."""
 
@@ -136,6 +146,7 @@ Event = Annotated[
     | NodeTimedOut
     | InstanceCreated
     | InstanceDeleted
+    | InstanceRingMoved
     | RunnerStatusUpdated
     | TaskCreated
     | TaskStatusUpdated
