@@ -112,20 +112,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, checkpoints) -> Iterator[C
         yield nodes
 
 
-def _place(node, model: str, layout: Layout) -> str:
-    body = {"model_id": model, "sharding": layout.sharding, "min_nodes": layout.nodes}
-    response = node.post("/place_instance", json=body)
-    assert response.status_code == 200, response.text
-    instance_id = response.json()["instance_id"]
-    params = {"instance_id": instance_id}
-    with httpx.stream("GET", f"{node.url}/instance/await", params=params, timeout=240) as stream:
-        events = [line for line in stream.iter_lines() if line.startswith(("event:", "data:"))]
-    assert "event: ready" in events, f"{model} did not become ready: {events[-4:]}"
-    instance = node.get(f"/instance/{instance_id}").json()
-    assert len(instance["shardAssignments"]["nodeToRunner"]) == layout.nodes
-    return instance_id
-
-
 def _served_logprobs(node, model: str, prompt: list[int]) -> list[float]:
     body = {"model": model, "prompt": prompt, "max_tokens": STEPS, "temperature": 0, "logprobs": 1}
     response = httpx.post(f"{node.url}/v1/completions", json=body, timeout=240)
@@ -142,7 +128,9 @@ def test_served_logprobs_match_transformers(family: str, checkpoints, cluster: C
     # The layouts load side by side; requests go through both nodes, so chunks of a split
     # instance cross the cluster to the node that was asked.
     with ThreadPoolExecutor(len(layouts)) as pool:
-        instance_ids = list(pool.map(lambda lay: _place(cluster[0], model_id(family, lay), lay), layouts))
+        instance_ids = list(
+            pool.map(lambda lay: cluster[0].place(model_id(family, lay), 240, lay.sharding, lay.nodes), layouts)
+        )
         served = list(
             pool.map(
                 lambda i: _served_logprobs(cluster[i % 2], model_id(family, layouts[i]), reference.prompt),

@@ -72,10 +72,23 @@ class ExoNode:
         response.raise_for_status()
         return response.json()
 
-    def place(self, model_id: str = TINY_MODEL_ID, timeout: float = 120) -> str:
+    def place(
+        self,
+        model_id: str = TINY_MODEL_ID,
+        timeout: float = 120,
+        sharding: str | None = None,
+        min_nodes: int | None = None,
+    ) -> str:
+        """Place model_id (optionally with a sharding and a node count) and wait until it
+        serves; with min_nodes, the instance must span exactly that many nodes."""
         node_id = self.node_id()
         self.wait_for_state(lambda s: node_id in s["nodes"], what="this node in the topology")
-        response = self.post("/place_instance", json={"model_id": model_id})
+        body: dict = {"model_id": model_id}
+        if sharding is not None:
+            body["sharding"] = sharding
+        if min_nodes is not None:
+            body["min_nodes"] = min_nodes
+        response = self.post("/place_instance", json=body)
         assert response.status_code == 200, response.text
         instance_id = response.json()["instance_id"]
         with httpx.stream(
@@ -85,8 +98,12 @@ class ExoNode:
             headers=self.headers,
             timeout=timeout,
         ) as stream:
-            events = [line for line in stream.iter_lines() if line.startswith("event:")]
-        assert events[-1] == "event: ready", f"instance did not become ready: {events}"
+            lines = [line for line in stream.iter_lines() if line.startswith(("event:", "data:"))]
+        events = [line for line in lines if line.startswith("event:")]
+        assert events and events[-1] == "event: ready", f"{model_id} did not become ready: {lines[-4:]}"
+        if min_nodes is not None:
+            instance = self.get(f"/instance/{instance_id}").json()
+            assert len(instance["shardAssignments"]["nodeToRunner"]) == min_nodes, instance
         return instance_id
 
     def runner_pids(self) -> list[int]:
