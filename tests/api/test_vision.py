@@ -1,7 +1,7 @@
 """Images through a real node, checked against transformers: tiny random VLMs of Gemma 4
 (the E2B/E4B layout, and the 26B-A4B one whose image tokens attend both ways on sliding
-layers) and Qwen2.5-VL (devtools/tiny_vlms.py: made with transformers, sharp
-weights), a text + image prompt sent with the official SDKs. The top-20 log-probabilities
+layers), Qwen2.5-VL and Qwen3-VL (interleaved M-RoPE, DeepStack) (devtools/tiny_vlms.py:
+made with transformers, sharp weights), a text + image prompt sent with the official SDKs. The top-20 log-probabilities
 of 4 greedy tokens through /v1/chat/completions equal transformers' forward over its own
 processing of the same image (its image processor, its tokenizer) within 1e-3; a
 different image gives its own numbers; the same image again is a prefix-cache hit; a
@@ -33,7 +33,7 @@ QUESTION = VLM_QUESTION
 TOLERANCE = 1e-3
 TOP = 20
 STEPS = 4
-# A 96x96 image is 64 soft tokens for Gemma 4, 144 for Qwen2.5-VL; chunks of 32 put
+# A 96x96 image is 64 soft tokens for Gemma 4, 144 for Qwen2.5-VL and Qwen3-VL; chunks of 32 put
 # boundaries inside its run.
 PREFILL_STEP = 32
 

@@ -1,8 +1,10 @@
-"""Images on 2 nodes: the tiny Gemma 4 VLMs (E2B/E4B and 26B-A4B layouts) and Qwen2.5-VL
-split by pipeline, and the Gemma 4 ones by tensor parallelism, across two real nodes on
-127.0.0.1. Rank 0 alone runs the vision tower and sends the features to the other rank
-(Gemma 4's per-layer inputs are projected from the embeddings, so every rank needs
-them), with Qwen2.5-VL's 3-D positions; the image bytes are not broadcast. The first
+"""Images on 2 nodes: the tiny Gemma 4 VLMs (E2B/E4B and 26B-A4B layouts), Qwen2.5-VL and
+Qwen3-VL split by pipeline, and the Gemma 4 ones by tensor parallelism, across two real
+nodes on 127.0.0.1. Rank 0 alone runs the vision tower and sends the features to the
+other rank (Gemma 4's per-layer inputs are projected from the embeddings, so every rank
+needs them), with the Qwen family's 3-D positions and Qwen3-VL's DeepStack features
+(rank 1 holds decoder layer 2, which adds the third level); the image bytes are not
+broadcast. The first
 token's top-20 log-probabilities, sent with the openai SDK as a data URL, equal
 transformers' forward within 1e-3, for two different images, with prefill chunks whose
 boundaries fall inside the image's run (except for the 26B-A4B layout, whose image runs
@@ -54,7 +56,7 @@ def _place_split(node, model: str, sharding: str) -> str:
     assert "event: ready" in events, events[-4:]
     instance = node.get(f"/instance/{params['instance_id']}").json()
     assert len(instance["shardAssignments"]["nodeToRunner"]) == 2
-    return params["instance_id"]
+    return instance
 
 
 # Tensor where the language model has a strategy (Qwen2.5-VL's has none yet).
@@ -64,7 +66,12 @@ SPLITS = [(family, "Pipeline") for family in VLM_MODELS] + [("gemma4_vlm", "Tens
 @pytest.mark.parametrize(("family", "sharding"), SPLITS)
 def test_split_logprobs_equal_transformers(cluster: Cluster, vlm_dir: Path, family: str, sharding: str) -> None:
     model = VLM_MODELS[family]
-    instance_id = _place_split(cluster[0], model, sharding)
+    instance = _place_split(cluster[0], model, sharding)
+    instance_id = instance["instanceId"]
+    if family == "qwen3_vl":
+        # A DeepStack level's layer on rank 1: its features must cross to it.
+        starts = [shard["startLayer"] for shard in instance["shardAssignments"]["runnerToShard"].values()]
+        assert 0 < max(starts) < 3, starts
     path = vlm_dir / model.replace("/", "--")
     diffs = {}
     for index, (name, data) in enumerate(IMAGES.items()):

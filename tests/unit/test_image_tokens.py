@@ -1,6 +1,6 @@
 """How many prompt tokens an image takes, counted by the API before the engine runs the
 processor (shared/models/vision.py), equals what transformers' own image processors
-give (the PIL ones), for Gemma 4 and Qwen2.5-VL, across shapes and sizes."""
+give (the PIL ones), for Gemma 4, Qwen2.5-VL and Qwen3-VL, across shapes and sizes."""
 
 import numpy as np
 from PIL import Image
@@ -13,6 +13,8 @@ SIZES = [(96, 96), (200, 50), (37, 300), (1000, 800), (13, 13), (640, 480)]
 GEMMA4 = {"patch_size": 16, "pooling_kernel_size": 3, "max_soft_tokens": 280}
 GEMMA4_TINY = {"patch_size": 4, "pooling_kernel_size": 3, "max_soft_tokens": 70}
 QWEN = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280}
+# Qwen3-VL's processor configs give the pixel bounds as `size`.
+QWEN3 = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
 QWEN_TINY = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 16 * 16, "max_pixels": 128 * 128}
 
 
@@ -29,10 +31,10 @@ def test_gemma4_counts_match_transformers() -> None:
             assert image_prompt_tokens({"model_type": "gemma4"}, processor, width, height) == soft + 2, (width, height)
 
 
-def test_qwen2_5_vl_counts_match_transformers() -> None:
-    for processor in (QWEN, QWEN_TINY):
+def test_qwen_vl_counts_match_transformers() -> None:
+    for model_type, processor in (("qwen2_5_vl", QWEN), ("qwen2_5_vl", QWEN_TINY), ("qwen3_vl", QWEN3)):
         reference = Qwen2VLImageProcessorPil(**processor)
         for width, height in SIZES:
             grid = reference(images=[_image(width, height)], return_tensors="np")["image_grid_thw"][0]
             merged = int(np.prod(grid)) // processor["merge_size"] ** 2
-            assert image_prompt_tokens({"model_type": "qwen2_5_vl"}, processor, width, height) == merged, (width, height)
+            assert image_prompt_tokens({"model_type": model_type}, processor, width, height) == merged, (width, height)

@@ -13,7 +13,7 @@ from exo.api.errors import ApiError
 from exo.api.port import ClusterPort
 from exo.master.placement import LINKS_BEING_MEASURED, PlacementError, place_instance
 from exo.shared.models.model_cards import ModelCard
-from exo.shared.queries import instances_of, least_loaded_instance
+from exo.shared.queries import gave_up_on, instances_of, least_loaded_instance
 from exo.shared.types.commands import CreateInstance
 from exo.shared.types.common import InstanceId, ModelId
 from exo.shared.types.instances import Instance, Sharding
@@ -25,6 +25,10 @@ PLACEMENT_VISIBLE_SECONDS = 10.0
 # own worker to register (it answers HTTP before it is in State), links to a new node to
 # be measured.
 PLACEMENT_SETTLE_SECONDS = 6.0
+# After a model's instance was given up on (its runner failed at every attempt), requests
+# are told so for this long instead of placing it again: a crash loop otherwise, one
+# placement per request.
+AUTO_PLACE_PAUSE_SECONDS = 300
 
 
 def card_or_404(cluster: ClusterPort, model_id: str) -> ModelCard:
@@ -101,6 +105,8 @@ class AutoPlacer:
 
     def __init__(self) -> None:
         self._placed: dict[str, tuple[InstanceId, float]] = {}
+        # Instances given up on, and when this node first saw it.
+        self._given_up_seen: dict[InstanceId, float] = {}
 
     def require_instance(self, cluster: ClusterPort, model: str) -> InstanceId | None:
         """None when an instance of the model serves; else the instance to wait for: one
@@ -123,6 +129,7 @@ class AutoPlacer:
                 param="model",
             )
         now = time.monotonic()
+        self._refuse_if_given_up(state, model, now)
         if model in self._placed:
             instance_id, placed_at = self._placed[model]
             if now - placed_at < PLACEMENT_VISIBLE_SECONDS and instance_id not in state.instance_deletions:
@@ -131,6 +138,23 @@ class AutoPlacer:
         self._placed[model] = (instance_id, now)
         logger.info(f"auto-placing {model} as instance {instance_id}")
         return instance_id
+
+
+    def _refuse_if_given_up(self, state: State, model: str, now: float) -> None:
+        given_up = gave_up_on(state, model)
+        if given_up is None:
+            return
+        instance_id, reason = given_up
+        seen = self._given_up_seen.setdefault(instance_id, now)
+        remaining = AUTO_PLACE_PAUSE_SECONDS - (now - seen)
+        if remaining > 0:
+            raise ApiError(
+                503,
+                f"model '{model}' is not placed again for {remaining:.0f} s: {reason}; "
+                "place it by hand (POST /place_instance) once that is fixed",
+                code="model_failed",
+                retry_after=int(remaining) + 1,
+            )
 
 
 def auto_placer(request: Request) -> AutoPlacer:

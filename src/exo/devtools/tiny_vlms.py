@@ -96,7 +96,42 @@ QWEN_VL_TEXT = {
 QWEN_VL_ROPE = {"type": "mrope", "mrope_section": [2, 3, 3]}
 QWEN_VL_ROPE_THETA = 10000.0
 
-TINY_VLMS = ("gemma4_vlm", "gemma4_moe_vlm", "qwen2_5_vl")
+# Qwen3-VL: the same grid family with a Qwen3 language model (q/k norms, head_dim of its
+# own), interleaved M-RoPE sections, and DeepStack: the tower's blocks 0-2 each give
+# features (through their own merger) that are added to the hidden states after decoder
+# layers 0-2 at the image's positions. With 4 decoder layers a 2-rank pipeline puts
+# layer 2, and so a DeepStack level, on rank 1.
+QWEN3_VL_VISION = {
+    "depth": 3,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "patch_size": 4,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 64,
+    "num_position_embeddings": 64,
+    "deepstack_visual_indexes": [0, 1, 2],
+    "initializer_range": INIT_STD,
+}
+QWEN3_VL_TEXT = {
+    "model_type": "qwen3_vl_text",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "initializer_range": INIT_STD,
+    "tie_word_embeddings": False,
+}
+# 8 rotary frequencies, interleaved: height takes 1 and 4, width 2 and 5, time the rest
+# (as the real [24, 20, 20] leaves time the tail).
+QWEN3_VL_ROPE = {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+
+TINY_VLMS = ("gemma4_vlm", "gemma4_moe_vlm", "qwen2_5_vl", "qwen3_vl")
 
 
 def _write_vlm_tokenizer(path: Path, tokens: dict[str, str], placeholder: str) -> dict[str, int]:
@@ -248,10 +283,57 @@ def make_tiny_qwen2_5_vl(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def make_tiny_qwen3_vl(path: Path, seed: int = 0) -> Path:
+    """Qwen3-VL: a Qwen3 language model with interleaved M-RoPE, and a tower whose
+    early blocks feed DeepStack features to the first decoder layers."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    path = Path(path)
+    ids = _write_vlm_tokenizer(path, QWEN_VL_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>")
+    rope = {**QWEN3_VL_ROPE, "rope_theta": QWEN_VL_ROPE_THETA}
+    text = {**QWEN3_VL_TEXT, "vocab_size": ids["vocab_size"], "rope_parameters": rope}
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=dict(QWEN3_VL_VISION),
+        image_token_id=ids["image_token"],
+        video_token_id=ids["video_token"],
+        vision_start_token_id=ids["vision_start_token"],
+        vision_end_token_id=ids["vision_end_token"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config)
+    _sharpen(model, seed)
+    model.save_pretrained(path)
+    # As the hub's checkpoints write it: rope_theta and rope_scaling beside each other.
+    saved = json.loads((path / "config.json").read_text())
+    text_saved = {**saved["text_config"], "rope_theta": QWEN_VL_ROPE_THETA, "rope_scaling": dict(QWEN3_VL_ROPE)}
+    _update_config(path, vocab_size=ids["vocab_size"], text_config=text_saved)
+    processor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "patch_size": QWEN3_VL_VISION["patch_size"],
+        "merge_size": QWEN3_VL_VISION["spatial_merge_size"],
+        "temporal_patch_size": QWEN3_VL_VISION["temporal_patch_size"],
+        # Qwen3-VL's processor configs give the pixel bounds as `size`.
+        "size": {"shortest_edge": 16 * 16, "longest_edge": 128 * 128},
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "resample": 3,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    return path
+
+
 def make_tiny_vlm(path: Path, name: str, seed: int = 0) -> Path:
     if name == "gemma4_moe_vlm":
         return make_tiny_gemma4_vlm(path, seed, layout="26b")
-    makers = {"gemma4_vlm": make_tiny_gemma4_vlm, "qwen2_5_vl": make_tiny_qwen2_5_vl}
+    makers = {"gemma4_vlm": make_tiny_gemma4_vlm, "qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl}
     return makers[name](path, seed)
 
 
@@ -311,24 +393,29 @@ def _user_turn(tokenizer: Any, question: str) -> str:
     )
 
 
-def qwen2_5_vl_reference(path: Path, question: str, image: Any, steps: int = 1) -> tuple[list[int], list[list[float]]]:
-    """As gemma4_reference, for Qwen2.5-VL: transformers' Qwen2-VL image processor (the
-    PIL one), the pad token repeated once per merged patch, M-RoPE positions by
-    transformers' own get_rope_index."""
+def qwen_vl_reference(path: Path, question: str, image: Any, steps: int = 1) -> tuple[list[int], list[list[float]]]:
+    """As gemma4_reference, for the Qwen-VL grid family (Qwen2.5-VL, Qwen3-VL):
+    transformers' Qwen2-VL image processor (the PIL one, which both use), the pad token
+    repeated once per merged patch, M-RoPE positions (and Qwen3-VL's DeepStack) by
+    transformers' own model."""
     import torch
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     saved = json.loads((Path(path) / "preprocessor_config.json").read_text())
-    keys = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "image_mean", "image_std")
-    processor = Qwen2VLImageProcessorPil(**{key: saved[key] for key in keys})
+    keys = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "size")
+    processor = Qwen2VLImageProcessorPil(
+        **{key: saved[key] for key in (*keys, "image_mean", "image_std") if key in saved}
+    )
     pixels = processor(images=[image], return_tensors="pt")
     tokenizer = AutoTokenizer.from_pretrained(path)
     text = _user_turn(tokenizer, question)
     count = int(pixels["image_grid_thw"][0].prod()) // saved["merge_size"] ** 2
     text = text.replace(QWEN_VL_TOKENS["image_token"], QWEN_VL_TOKENS["image_token"] * count)
     ids = tokenizer(text, add_special_tokens=False).input_ids
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    model_class = Qwen3VLForConditionalGeneration if model_type == "qwen3_vl" else Qwen2_5_VLForConditionalGeneration
+    model = model_class.from_pretrained(path, dtype=torch.float32).eval()
     image_token = model.config.image_token_id
     inputs = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
 
@@ -340,4 +427,5 @@ def qwen2_5_vl_reference(path: Path, question: str, image: Any, steps: int = 1) 
 
 def vlm_reference(path: Path, question: str, image: Any, steps: int = 1) -> tuple[list[int], list[list[float]]]:
     model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
-    return {"gemma4": gemma4_reference, "qwen2_5_vl": qwen2_5_vl_reference}[model_type](path, question, image, steps)
+    references = {"gemma4": gemma4_reference, "qwen2_5_vl": qwen_vl_reference, "qwen3_vl": qwen_vl_reference}
+    return references[model_type](path, question, image, steps)

@@ -129,3 +129,22 @@ def hub_fetcher(state: State, model_id: str, file: str, weight_map: dict[str, st
         ):
             needers.append(node_id)
     return min(needers, default=None)
+
+
+
+def _gave_up_prefix(model_id: str) -> str:
+    return f"the runner of {model_id} failed "
+
+
+def gave_up_reason(model_id: str, attempts: int, detail: str) -> str:
+    """Why a worker deleted an instance whose runner kept failing (read back by gave_up_on)."""
+    return f"{_gave_up_prefix(model_id)}{attempts} times, last: {detail}"
+
+
+def gave_up_on(state: State, model_id: str) -> tuple[InstanceId, str] | None:
+    """The latest instance of the model State remembers deleting because its runner kept
+    failing, with the reason."""
+    for instance_id, reason in reversed(state.instance_deletions.items()):
+        if reason.startswith(_gave_up_prefix(model_id)):
+            return instance_id, reason
+    return None

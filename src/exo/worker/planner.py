@@ -3,7 +3,7 @@ worker knows about its own runner processes."""
 
 from dataclasses import dataclass
 
-from exo.shared.queries import download_running, instance_using_files
+from exo.shared.queries import download_running, gave_up_reason, instance_using_files
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.downloads import DownloadCancelled, DownloadCompleted, DownloadFailed, DownloadProgress
 from exo.shared.types.instances import Instance
@@ -204,7 +204,8 @@ def _plan_instance(
         if runner.attempt >= MAX_RUNNER_ATTEMPTS:
             status = state.runners.get(runner_id)
             detail = status.error_message if isinstance(status, RunnerFailed) else "runner exited"
-            return DeleteFailedInstance(instance.instance_id, f"runner failed {runner.attempt} times, last: {detail}")
+            reason = gave_up_reason(instance.model_id, runner.attempt, detail)
+            return DeleteFailedInstance(instance.instance_id, reason)
         if runner.exited_at is not None and now - runner.exited_at >= RESTART_BACKOFF_SECONDS * runner.attempt:
             return CreateRunner(instance.instance_id, runner_id, attempt=runner.attempt + 1)
         return None

@@ -224,7 +224,8 @@ class MlxEngine:
         self.vision = None if self.is_follower else load_vision(model_dir)
         if self.vision is not None:
             self.vision.bind(inner_model(self.model))
-        self.image_attention = install_image_attention(model_dir, inner_model(self.model))
+        first_layer = shard.start_layer if isinstance(shard, PipelineShardMetadata) else 0
+        self.image_attention = install_image_attention(model_dir, inner_model(self.model), first_layer)
         self.pipeline_ranks = shard.world_size if isinstance(shard, PipelineShardMetadata) else 1
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
         self.reasoning_dialect = shard.model_card.reasoning_dialect.value

@@ -1,5 +1,7 @@
-"""Qwen2.5-VL's 3-D rotary positions (M-RoPE) on mlx-lm's Qwen2 language model, which
-rotates by the plain 1-D position.
+"""The Qwen-VL family's 3-D rotary positions (M-RoPE) on mlx-lm's language models
+(Qwen2 for Qwen2.5-VL, Qwen3 for Qwen3-VL), which rotate by the plain 1-D position.
+Each rotary frequency follows one axis: in contiguous sections (Qwen2.5-VL: time, then
+height, then width) or interleaved (Qwen3-VL: t, h, w, t, h, w, ..., time the tail).
 
 An image's tokens take (time, row, column) positions starting where the image starts,
 and the text after it resumes at one past the largest of them, so from there on every
@@ -39,29 +41,42 @@ def image_positions(start: int, rows: int, columns: int) -> np.ndarray:
     return np.stack([np.zeros(rows * columns, dtype=np.int64), row.ravel(), column.ravel()]) + start
 
 
+def frequency_axes(sections: list[int], interleaved: bool) -> np.ndarray:
+    """The axis (0 time, 1 height, 2 width) each rotary frequency follows, as
+    transformers assigns them."""
+    count = sum(sections)
+    if not interleaved:
+        return np.repeat(np.arange(3), sections)
+    axes = np.zeros(count, dtype=np.int64)
+    for axis in (1, 2):
+        axes[axis : 3 * sections[axis] : 3] = axis
+    return axes
+
+
 class _Spec:
-    def __init__(self, head_dim: int, theta: float, sections: list[int]) -> None:
+    def __init__(self, head_dim: int, theta: float, sections: list[int], interleaved: bool) -> None:
         self.inv_freq = mx.array((1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)).astype(np.float32))
-        bounds = np.cumsum([0, *sections])
-        self.axes = [(axis, int(bounds[axis]), int(bounds[axis + 1])) for axis in range(3)]
+        axes = frequency_axes(sections, interleaved)
+        # One-hot per axis: picking each frequency's axis is a masked sum, exact in float.
+        self.pick = mx.array((axes[None, :] == np.arange(3)[:, None]).astype(np.float32))[:, None, :]
         self.positions: mx.array | None = None
 
 
 class MRope(nn.Module):
     """The layer's rotation, by 3-D positions when its attention sets them."""
 
-    def __init__(self, base: Any, head_dim: int, theta: float, sections: list[int]) -> None:
+    def __init__(self, base: Any, spec: _Spec) -> None:
         super().__init__()
         self.base = base
         # Plain attributes, not module state: nothing here is a parameter.
-        self.spec = _Spec(head_dim, theta, sections)
+        self.spec = spec
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         positions = self.spec.positions
         if positions is None:
             return self.base(x, offset=offset)
         freqs = positions[:, :, None] * self.spec.inv_freq[None, None, :]
-        chosen = mx.concatenate([freqs[axis, :, lo:hi] for axis, lo, hi in self.spec.axes], axis=-1)
+        chosen = (freqs * self.spec.pick).sum(axis=0)
         angles = mx.concatenate([chosen, chosen], axis=-1)
         half = x.shape[-1] // 2
         rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
@@ -69,17 +84,20 @@ class MRope(nn.Module):
 
 
 def install_mrope(inner: Any, text_config: dict[str, Any]) -> bool:
-    """Gives every attention layer of a Qwen2.5-VL language model M-RoPE; False for a
+    """Gives every attention layer of a Qwen-VL language model M-RoPE; False for a
     model without mrope sections."""
     scaling = text_config.get("rope_scaling") or text_config.get("rope_parameters") or {}
     sections = scaling.get("mrope_section")
     if not sections:
         return False
     theta = float(text_config.get("rope_theta") or scaling.get("rope_theta") or 10000.0)
-    head_dim = int(text_config["hidden_size"]) // int(text_config["num_attention_heads"])
+    head_dim = int(
+        text_config.get("head_dim") or int(text_config["hidden_size"]) // int(text_config["num_attention_heads"])
+    )
+    interleaved = bool(scaling.get("mrope_interleaved"))
     for layer in inner.layers:
         attention = getattr(layer, "layer", layer).self_attn
-        attention.rope = MRope(attention.rope, head_dim, theta, list(sections))
+        attention.rope = MRope(attention.rope, _Spec(head_dim, theta, list(sections), interleaved))
         attention.__class__ = _positioned(type(attention))
     return True
 

@@ -10,7 +10,10 @@ Only prefill sees image positions: the chat template ends with the generation pr
 Gemma 4 needs three things mlx-vlm's whole model does and a bare language model does not:
 the features divided by the text embedding scale (the language model multiplies its input
 by it), image positions looked up as the pad token in the per-layer embedding table
-(E2B/E4B), and the projector (`embed_vision`) applied to the pooled tower output."""
+(E2B/E4B), and the projector (`embed_vision`) applied to the pooled tower output.
+
+Qwen3-VL's tower also gives DeepStack features, added after the first decoder layers
+(engine/mlx/deepstack.py); they travel with the prompt to every rank."""
 
 import io
 import json
@@ -28,18 +31,29 @@ from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor
 from mlx_vlm.models.gemma4.vision import VisionModel as Gemma4VisionModel
 from mlx_vlm.models.qwen2_5_vl.config import VisionConfig as QwenVisionConfig
 from mlx_vlm.models.qwen2_5_vl.vision import VisionModel as QwenVisionModel
+from mlx_vlm.models.qwen3_vl.config import VisionConfig as Qwen3VisionConfig
+from mlx_vlm.models.qwen3_vl.vision import VisionModel as Qwen3VisionModel
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from exo.engine.mlx.deepstack import DeepStack, DeepStackRun, attach_deepstack, install_deepstack
 from exo.engine.mlx.image_attention import attach_image_spans, install_image_overlay
 from exo.engine.mlx.mrope import RopePositions, attach_positions, image_positions, install_mrope
 from exo.engine.mlx.parallel import broadcast_bytes
 from exo.shared.models.vision import bidirectional_images, vision_runs
 from exo.shared.types.text_generation import ImageInput, TextGenerationTaskParams, image_hashes_in_order
 
-# One image's features (tokens, text hidden) and, for the grid families, its merged
-# (rows, columns).
-Encode = Callable[[Image.Image], tuple[mx.array, tuple[int, int] | None]]
+
+@dataclass
+class Encoded:
+    """One image through the tower and projector."""
+
+    features: mx.array  # (tokens, text hidden)
+    grid: tuple[int, int] | None = None  # merged (rows, columns), for the grid families
+    deepstack: mx.array | None = None  # (levels, tokens, text hidden), Qwen3-VL
+
+
+Encode = Callable[[Image.Image], Encoded]
 
 
 @dataclass
@@ -50,6 +64,7 @@ class ImageRun:
     features: mx.array  # (tokens, hidden), ready to stand in for token embeddings
     sha256: str
     grid: tuple[int, int] | None = None
+    deepstack: mx.array | None = None  # (levels, tokens, hidden)
 
     @property
     def end(self) -> int:
@@ -71,6 +86,11 @@ class VisionPrompt:
     # Image tokens attend to later ones of their image (Gemma 4 26B-A4B, 31B): a prefill
     # chunk must hold an image's whole run.
     whole_runs: bool = False
+
+    @property
+    def deepstack(self) -> DeepStack | None:
+        runs = [DeepStackRun(run.start, run.deepstack) for run in self.runs if run.deepstack is not None]
+        return DeepStack(runs) if runs else None
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -108,24 +128,26 @@ class VisionPrompt:
 
 def share_prompt(prompt: VisionPrompt | None, group: mx.distributed.Group, stream: Any) -> VisionPrompt:
     """Rank 0's prompt (it alone runs the tower) on every rank of a pipeline: each rank
-    embeds its own inputs, and Gemma 4's per-layer inputs are projected from the
-    embeddings, image features included. The layout goes as JSON, the features in one
-    all-sum to which the other ranks add zeros."""
+    embeds its own inputs, Gemma 4's per-layer inputs are projected from the
+    embeddings, image features included, and Qwen3-VL's DeepStack levels are added by
+    whichever rank holds their layers. The layout goes as JSON, the features (each
+    image's, then its DeepStack levels) in one all-sum to which the other ranks add zeros."""
     layout = None
     if prompt is not None:
         runs = [{"start": r.start, "tokens": r.features.shape[0], "sha256": r.sha256} for r in prompt.runs]
         fields = {"tokens": prompt.tokens, "key": prompt.key, "runs": runs}
         fields |= {"image_token_id": prompt.image_token_id, "pad_token_id": prompt.pad_token_id}
         fields["hidden"] = prompt.runs[0].features.shape[1] if prompt.runs else 0
+        fields["levels"] = _levels(prompt.runs[0]) if prompt.runs else 0
         fields["positions"] = None if prompt.positions is None else prompt.positions.table.tolist()
         fields["whole_runs"] = prompt.whole_runs
         layout = json.dumps(fields).encode()
     shared = json.loads(broadcast_bytes(layout, group, stream))
-    total = sum(run["tokens"] for run in shared["runs"])
+    total, levels = sum(run["tokens"] for run in shared["runs"]), shared["levels"]
     features = (
-        mx.concatenate([run.features.astype(mx.float32) for run in prompt.runs])
+        mx.concatenate([_stacked_features(run) for run in prompt.runs], axis=1)
         if prompt is not None and prompt.runs
-        else mx.zeros((total, shared["hidden"]), dtype=mx.float32)
+        else mx.zeros((1 + levels, total, shared["hidden"]), dtype=mx.float32)
     )
     features = mx.distributed.all_sum(features, group=group, stream=stream)
     # Now, not inside prefill's graph: there it could run after a rank's send, before the
@@ -133,7 +155,9 @@ def share_prompt(prompt: VisionPrompt | None, group: mx.distributed.Group, strea
     mx.eval(features)
     runs, at = [], 0
     for run in shared["runs"]:
-        runs.append(ImageRun(start=run["start"], features=features[at : at + run["tokens"]], sha256=run["sha256"]))
+        mine = features[:, at : at + run["tokens"]]
+        deepstack = mine[1:] if levels else None
+        runs.append(ImageRun(start=run["start"], features=mine[0], sha256=run["sha256"], deepstack=deepstack))
         at += run["tokens"]
     return VisionPrompt(
         tokens=shared["tokens"],
@@ -144,6 +168,18 @@ def share_prompt(prompt: VisionPrompt | None, group: mx.distributed.Group, strea
         positions=None if shared["positions"] is None else RopePositions(np.array(shared["positions"])),
         whole_runs=shared["whole_runs"],
     )
+
+
+def _levels(run: ImageRun) -> int:
+    return 0 if run.deepstack is None else run.deepstack.shape[0]
+
+
+def _stacked_features(run: ImageRun) -> mx.array:
+    """(1 + levels, tokens, hidden): the run's features, then its DeepStack levels."""
+    features = run.features.astype(mx.float32)[None]
+    if run.deepstack is None:
+        return features
+    return mx.concatenate([features, run.deepstack.astype(mx.float32)])
 
 
 def _text_positions(start: int, count: int) -> np.ndarray:
@@ -182,7 +218,6 @@ class VisionEncoder:
         """Takes the language model's embedding scale (Gemma multiplies its inputs by it)."""
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
 
-
     def prepare(self, prompt: list[int], images: list[tuple[str, bytes]]) -> VisionPrompt:
         """Expands each image placeholder of `prompt` (in order) into its run of soft tokens."""
         places = [i for i, token in enumerate(prompt) if token == self.image_token_id]
@@ -195,12 +230,16 @@ class VisionEncoder:
         for place, (sha256, data) in zip(places, images, strict=True):
             tokens += prompt[last:place]
             key += prompt[last:place]
-            features, grid = self._encode(Image.open(io.BytesIO(data)))
-            features = features / self.embed_scale
+            encoded = self._encode(Image.open(io.BytesIO(data)))
+            features = encoded.features / self.embed_scale
             if self.boi_token_id is not None:
                 tokens.append(int(self.boi_token_id))
                 key.append(int(self.boi_token_id))
-            runs.append(ImageRun(start=len(tokens), features=features, sha256=sha256, grid=grid))
+            runs.append(
+                ImageRun(
+                    start=len(tokens), features=features, sha256=sha256, grid=encoded.grid, deepstack=encoded.deepstack
+                )
+            )
             count = features.shape[0]
             tokens += [self.image_token_id] * count
             key += [_hash_token(sha256)] * count
@@ -275,7 +314,7 @@ def _gemma4(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
     _load_into(projector, _weights(model_dir, ("model.embed_vision.", "embed_vision.")), config)
     processor = Gemma4ImageProcessor.from_pretrained(str(model_dir))
 
-    def encode(image: Image.Image) -> tuple[mx.array, None]:
+    def encode(image: Image.Image) -> Encoded:
         # One image per tower run: each has its own size and soft-token count.
         batch, counts = processor(images=[image], return_tensors="np")
         pixels = mx.array(np.asarray(batch["pixel_values"][0]))[None]
@@ -283,7 +322,7 @@ def _gemma4(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
         features = projected.reshape(-1, projected.shape[-1])
         if features.shape[0] != counts[0]:
             raise ValueError(f"the vision tower gave {features.shape[0]} soft tokens, the processor {counts[0]}")
-        return features, None
+        return Encoded(features)
 
     return VisionEncoder(config, encode)
 
@@ -298,12 +337,33 @@ def _qwen2_5_vl(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
     processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
     merge = vision_config.spatial_merge_size
 
-    def encode(image: Image.Image) -> tuple[mx.array, tuple[int, int]]:
+    def encode(image: Image.Image) -> Encoded:
         batch = processor(images=[image], return_tensors="np")
         grid = np.asarray(batch["image_grid_thw"])
         features = tower(mx.array(np.asarray(batch["pixel_values"])).astype(dtype), mx.array(grid))
         _, rows, columns = (int(n) for n in grid[0])
-        return features, (rows // merge, columns // merge)
+        return Encoded(features, (rows // merge, columns // merge))
+
+    return VisionEncoder(config, encode, rope_positions=True)
+
+
+def _qwen3_vl(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
+    """The tower gives the merged features and, per DeepStack level, the features of one
+    of its early blocks through that level's own merger."""
+    vision_config = Qwen3VisionConfig.from_dict({**config["vision_config"], "model_type": "qwen3_vl"})
+    tower = Qwen3VisionModel(vision_config)
+    _load_into(tower, tower.sanitize(_weights(model_dir, ("model.visual.", "visual."))), config)
+    dtype = tower.patch_embed.proj.weight.dtype
+    processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+    merge = vision_config.spatial_merge_size
+
+    def encode(image: Image.Image) -> Encoded:
+        batch = processor(images=[image], return_tensors="np")
+        grid = np.asarray(batch["image_grid_thw"])
+        features, levels = tower(mx.array(np.asarray(batch["pixel_values"])).astype(dtype), mx.array(grid))
+        levels = cast(list[mx.array], levels)
+        _, rows, columns = (int(n) for n in grid[0])
+        return Encoded(features, (rows // merge, columns // merge), mx.stack(levels) if levels else None)
 
     return VisionEncoder(config, encode, rope_positions=True)
 
@@ -312,19 +372,23 @@ def _qwen2_5_vl(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
 _FAMILIES: dict[str, Callable[[Path, dict[str, Any]], VisionEncoder]] = {
     "gemma4": _gemma4,
     "qwen2_5_vl": _qwen2_5_vl,
+    "qwen3_vl": _qwen3_vl,
 }
 
 
-def install_image_attention(model_dir: Path, inner: Any) -> bool:
+def install_image_attention(model_dir: Path, inner: Any, first_layer: int = 0) -> bool:
     """What a family's language model needs to attend to images as the family does, on
-    every rank: 3-D rotary positions (Qwen2.5-VL, engine/mlx/mrope.py) or bidirectional
-    image attention on sliding layers (Gemma 4 26B-A4B/31B, engine/mlx/image_attention.py).
-    True where installed: then each request's cache must say its images
-    (attach_prompt_images)."""
+    every rank: 3-D rotary positions (Qwen2.5-VL and Qwen3-VL, engine/mlx/mrope.py),
+    DeepStack (Qwen3-VL, engine/mlx/deepstack.py; `first_layer` is this rank's first
+    layer in the model) or bidirectional image attention on sliding layers (Gemma 4
+    26B-A4B/31B, engine/mlx/image_attention.py). True where installed: then each
+    request's cache must say its images (attach_prompt_images)."""
     config = json.loads((model_dir / "config.json").read_text())
     if not vision_runs(config):
         return False
-    if config["model_type"] == "qwen2_5_vl":
+    if config["model_type"] == "qwen3_vl":
+        install_deepstack(inner, first_layer, len(config["vision_config"].get("deepstack_visual_indexes") or []))
+    if config["model_type"] in ("qwen2_5_vl", "qwen3_vl"):
         return install_mrope(inner, config.get("text_config", config))
     if bidirectional_images(config):
         install_image_overlay(inner)
@@ -336,6 +400,7 @@ def attach_prompt_images(cache: list[Any], prompt: VisionPrompt | None) -> None:
     """The request's image positions and spans on its cache entries (None clears what a
     cache from the prefix cache may still carry)."""
     attach_positions(cache, prompt.positions if prompt is not None else None)
+    attach_deepstack(cache, prompt.deepstack if prompt is not None else None)
     attach_image_spans(cache, prompt.spans if prompt is not None and prompt.whole_runs else None)
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 # Config model_types whose vision tower, projector and processor exo wires to the
 # language model (engine/mlx/vision.py).
-VISION_MODEL_TYPES = frozenset({"gemma4", "qwen2_5_vl"})
+VISION_MODEL_TYPES = frozenset({"gemma4", "qwen2_5_vl", "qwen3_vl"})
 
 
 def vision_runs(config: dict[str, Any]) -> bool:
@@ -34,7 +34,7 @@ def image_prompt_tokens(config: dict[str, Any], processor: dict[str, Any], width
         budget = int(processor.get("max_soft_tokens", 280))
         rows, columns = _gemma4_size(height, width, patch, budget * pool**2, pool)
         return (rows // patch) * (columns // patch) // pool**2 + 2
-    if model_type == "qwen2_5_vl":
+    if model_type in ("qwen2_5_vl", "qwen3_vl"):
         patch = int(processor.get("patch_size", 14))
         merge = int(processor.get("merge_size", 2))
         size = processor.get("size") or {}
