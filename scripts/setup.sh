@@ -30,3 +30,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     touch .venv/.exo-installed-runtime
   fi
 fi
+if [ "$mode" = test ] && [ ! -x /usr/bin/chromium ]; then
+  # The dashboard's browser tests drive Debian's chromium (never a downloaded browser).
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update && apt-get install -y chromium
+  else
+    echo "the dashboard's browser tests need /usr/bin/chromium: apt-get install chromium (as root)" >&2
+  fi
+fi

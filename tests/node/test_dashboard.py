@@ -1,6 +1,6 @@
 """The web dashboard every node serves on its API port. The page's view logic
-(view.mjs) runs in Node over a real node's /state, previews and chat stream; no browser
-runs here, so the DOM side (app.mjs) is only loaded and syntax-checked."""
+(view.mjs, markdown.mjs) runs in Node over a real node's /state, /models, previews and
+chat stream; the pages themselves run in a real browser in test_dashboard_browser.py."""
 
 import json
 import re
@@ -20,14 +20,15 @@ def test_the_dashboard_and_its_assets_are_served(exo_node: ExoNode):
     page = httpx.get(f"{exo_node.url}/", follow_redirects=True, timeout=10)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert str(page.url).endswith("/dashboard/")
-    assets = [a for a in re.findall(r'(?:src|href)="([^"]+)"', page.text) if not a.startswith("data:")]
+    assets = [a for a in re.findall(r'(?:src|href)="([^"]+)"', page.text) if not a.startswith(("data:", "#"))]
     assert sorted(assets) == ["app.mjs", "style.css"]
     for asset in [*assets, "view.mjs"]:
         response = httpx.get(f"{exo_node.url}/dashboard/{asset}", timeout=10)
         assert response.status_code == 200, asset
         expected = "text/css" if asset.endswith(".css") else "text/javascript"
         assert response.headers["content-type"].startswith(expected), (asset, response.headers["content-type"])
-    for script in ("app.mjs", "view.mjs"):
+    for script in sorted(p.name for p in DASHBOARD.glob("*.mjs")):
+        assert httpx.get(f"{exo_node.url}/dashboard/{script}", timeout=10).status_code == 200, script
         subprocess.run(["node", "--check", str(DASHBOARD / script)], check=True)
     # A missing asset is a 404, not a crash.
     assert httpx.get(f"{exo_node.url}/dashboard/nope.js", timeout=10).status_code == 404
@@ -65,10 +66,27 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
         {"source": twin_id, "sink": node_id, "sinkIp": "10.0.0.1", "latencyMs": 2.25, "bandwidthMbps": 800.0},
     ]
     twin_state["topology"] = {"connections": links}
-    given.write_text(json.dumps({"state": state, "twinState": twin_state, "previews": previews, "stream": stream}))
+    cards = exo_node.get("/models").json()
+    samples = [
+        "Some **bold** and `code <b>` and *it*.\n\n```python\nprint('<hi>')\n```\n- one\n- two",
+        "<script>alert(1)</script> [link](javascript:alert(1)) [ok](https://exo.example/)",
+        "```\nstill streaming",
+    ]
+    given.write_text(
+        json.dumps(
+            {
+                "state": state,
+                "twinState": twin_state,
+                "previews": previews,
+                "stream": stream,
+                "cards": cards,
+                "markdownSamples": samples,
+            }
+        )
+    )
     shown = json.loads(
         subprocess.run(
-            ["node", str(VIEW_CHECK), str(given), str(DASHBOARD / "view.mjs")],
+            ["node", str(VIEW_CHECK), str(given), str(DASHBOARD / "view.mjs"), str(DASHBOARD / "markdown.mjs")],
             check=True,
             capture_output=True,
             text=True,
@@ -110,3 +128,54 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
     assert reply["usage"]["completion_tokens"] > 0
     assert reply["stats"]["generation_tokens"] == reply["usage"]["completion_tokens"]
     assert reply["stats"]["generation_tps"] > 0
+
+    # No link line runs through a node's label, and every label is inside the drawing.
+    for count, seen in shown["crossings"].items():
+        assert seen["edges"] == int(count) * (int(count) - 1) // 2
+        assert seen["crossed"] == [] and seen["outside"] == [], (count, seen)
+    assert shown["summary"] == f"1 node · {name} leads · 1 model serving"
+    assert "event" not in shown["summary"]
+
+    # The catalog: the tiny model's card, where its files are, that it runs; the fit line.
+    [row] = [r for r in shown["catalog"] if r["id"] == TINY_MODEL_ID]
+    assert row["serving"] and row["family"] == "llama" and row["dialect"] == "none"
+    assert [place["nodeId"] for place in row["downloadedOn"]] == [node_id]
+    assert TINY_MODEL_ID in shown["downloadedCatalog"]
+    assert shown["fit"]["fits"] and shown["fit"]["text"] == f"fits on {name} (Pipeline)"
+    [download] = [d for d in shown["downloads"] if d["modelId"] == TINY_MODEL_ID]
+    assert download["inUse"] and not download["canDelete"] and not download["canCancel"]
+    [models_dir] = [d for d in shown["dirs"] if TINY_MODEL_ID in d["models"]]
+    assert models_dir["nodeId"] == node_id and models_dir["dir"] == str(Path(download["path"]).parent)
+
+    # opencode: `interleaved` exactly for the dialects that send reasoning back.
+    models = shown["opencode"]["provider"]["exo"]["models"]
+    assert shown["opencode"]["provider"]["exo"]["options"]["baseURL"] == "http://host:52415/v1"
+    dialects = {card["model_id"]: card["reasoning_dialect"] for card in cards}
+    assert set(dialects.values()) == {"none", "post_last_user", "suffix", "channel", "tool_conditional"}
+    for model_id, dialect in dialects.items():
+        interleaved = dialect in ("tool_conditional", "post_last_user", "channel")
+        assert ("interleaved" in models[model_id]) == interleaved, (model_id, dialect)
+        if interleaved:
+            assert models[model_id]["interleaved"] == {"field": "reasoning_content"}
+
+    # The chat's request: earlier reasoning back as reasoning_content, images as parts.
+    assert shown["requestMessages"] == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello", "reasoning_content": "The user greets."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "look"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            ],
+        },
+    ]
+
+    # Markdown: escaped, code blocks kept verbatim, only http(s) links, an open fence shown.
+    rich, hostile, open_fence = shown["markdown"]
+    assert "<strong>bold</strong>" in rich and "<code>code &lt;b&gt;</code>" in rich and "<em>it</em>" in rich
+    assert '<code class="language-python">print(&#39;&lt;hi&gt;&#39;)</code>' in rich
+    assert "<ul><li>one</li><li>two</li></ul>" in rich
+    assert "<script>" not in hostile and "&lt;script&gt;" in hostile
+    assert 'href="javascript' not in hostile and '<a href="https://exo.example/"' in hostile
+    assert open_fence == '<pre class="code"><code>still streaming</code></pre>'

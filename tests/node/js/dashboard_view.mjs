@@ -3,9 +3,10 @@
 import { readFileSync } from "node:fs";
 import { pathToFileURL } from "node:url";
 
-const [inputPath, viewPath] = process.argv.slice(2);
+const [inputPath, viewPath, markdownPath] = process.argv.slice(2);
 const view = await import(pathToFileURL(viewPath).href);
-const { state, twinState, previews, stream } = JSON.parse(readFileSync(inputPath, "utf8"));
+const markdown = await import(pathToFileURL(markdownPath).href);
+const { state, twinState, previews, stream, cards, markdownSamples } = JSON.parse(readFileSync(inputPath, "utf8"));
 
 // Feed the stream in small pieces, as a browser's reader hands it over.
 let reply = {};
@@ -16,16 +17,53 @@ for (let i = 0; i < stream.length; i += 7) {
   for (const event of parsed.events) reply = view.foldChatStream(reply, event);
 }
 
+// The real node copied to 1..6 nodes, all linked both ways: no link line may cross a label.
+const [nodeId] = Object.keys(state.nodes);
+const crossings = {};
+for (let count = 1; count <= 6; count += 1) {
+  const ids = [nodeId, ...Array.from({ length: count - 1 }, (_, i) => `${i}0000000${nodeId.slice(8)}`)];
+  const nodes = Object.fromEntries(ids.map((id, i) => [id, { ...state.nodes[nodeId], nodeId: id, friendlyName: `node-${i}-with-a-long-name` }]));
+  const connections = ids.flatMap((a) => ids.filter((b) => b !== a).map((b) => ({ source: a, sink: b, sinkIp: "10.0.0.1", latencyMs: 1.25 })));
+  const layout = view.topologyLayout({ ...state, nodes, topology: { connections } });
+  const [minX, minY, width, height] = layout.viewBox;
+  const inside = (box) => box.x >= minX && box.y >= minY && box.x + box.width <= minX + width && box.y + box.height <= minY + height;
+  crossings[count] = {
+    edges: layout.edges.length,
+    crossed: layout.edges.flatMap((e) =>
+      layout.nodes.filter((n) => view.segmentCrossesBox(e.x1, e.y1, e.x2, e.y2, n.label.box)).map((n) => n.name),
+    ),
+    outside: layout.nodes.filter((n) => !inside(n.label.box)).map((n) => n.name),
+  };
+}
+
+const conversation = {
+  messages: [
+    { role: "user", content: "hi" },
+    { role: "assistant", model: "m", content: "Hello", reasoning: "The user greets." },
+    { role: "user", content: "look", images: ["data:image/png;base64,AAAA"] },
+    { role: "assistant", model: "m", content: "", error: "stopped" },
+  ],
+};
+
 console.log(
   JSON.stringify({
     nodes: view.nodeRows(state),
     twinNodes: view.nodeRows(twinState),
     twinTopology: view.topologyLayout(twinState, 300),
+    crossings,
     links: view.linkRows(state),
     instances: view.instanceRows(state),
     serving: view.servingModels(state),
+    summary: view.clusterSummary(state),
     downloads: view.downloadRows(state),
     previews: view.previewRows(state, previews),
+    fit: view.fitSummary(state, previews),
+    catalog: view.catalogRows(cards, state, "tiny", "all"),
+    downloadedCatalog: view.catalogRows(cards, state, "", "downloaded").map((r) => r.id),
+    dirs: view.modelDirs(state),
+    opencode: view.opencodeConfig("http://host:52415", cards),
+    requestMessages: view.requestMessages(conversation),
+    markdown: markdownSamples.map((sample) => markdown.renderMarkdown(sample)),
     reply,
     leftover: buffer,
   }),

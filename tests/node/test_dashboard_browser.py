@@ -1,0 +1,311 @@
+"""The dashboard in a real browser: Playwright for Python driving Debian's chromium
+(/usr/bin/chromium, never a downloaded browser) against two real nodes joined over
+loopback, with a scripted thinking model (devtools/scripted_models.py) and the fake hub
+(tests/support/fake_hub.py) for downloads. Every page loads with no console error; a
+model is placed from the Models page; a streamed chat shows thinking apart and sends it
+back as `reasoning_content`; the Integrations page's opencode JSON marks `interleaved`
+per reasoning dialect; a hub model's download shows progress, is cancelled, resumed and
+deleted; the API key prompt. Screenshots of every page at 1440x900 and 390x844 go to
+$EXO_TEST_ARTIFACTS/dashboard (default /tmp/exo-dashboard-shots)."""
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, ConsoleMessage, Page, Playwright, expect, sync_playwright
+
+from exo.devtools.scripted_families import FAMILY_SCRIPTS, GET_WEATHER_TOOL
+from exo.devtools.scripted_models import make_scripted_model
+from exo.devtools.tiny_models import make_tiny_llama
+from tests.node.test_download import MB, make_sharded_model
+from tests.support.cluster import Cluster, loopback_cluster
+from tests.support.fake_hub import FakeHub, running_fake_hub
+from tests.support.node import TINY_MODEL_ID, ExoNode, running_node
+
+CHROMIUM = "/usr/bin/chromium"
+THINKER = "scripted/qwen3-thinker"
+SCRIPT = FAMILY_SCRIPTS["qwen3"]
+HUB_MODEL = "acme/hub-model"
+PAGES = ("cluster", "models", "downloads", "chat", "integrations")
+SIZES = {"desktop": (1440, 900), "phone": (390, 844)}
+SHOTS = Path(os.environ.get("EXO_TEST_ARTIFACTS", "/tmp/exo-dashboard-shots")) / "dashboard"
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
+    root = tmp_path_factory.mktemp("hub")
+    make_sharded_model(root / HUB_MODEL.replace("/", "--"), big_shard_bytes=12 * MB)
+    with running_fake_hub(root, throttle_bytes_per_second=2 * MB) as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, hub: FakeHub) -> Iterator[Cluster]:
+    models = tmp_path_factory.mktemp("models")
+    make_scripted_model(models / THINKER.replace("/", "--"), "qwen3", SCRIPT.script)
+    make_tiny_llama(models / TINY_MODEL_ID.replace("/", "--"))
+    env = {"EXO_MODELS_DIRS": str(models), "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    with loopback_cluster(2, tmp_path_factory.mktemp("cluster"), env, offline=False) as nodes:
+        nodes[0].wait_for_state(
+            lambda s: len(s["nodes"]) == 2 and len(s["topology"]["connections"]) >= 2, what="2 linked nodes"
+        )
+        yield nodes
+
+
+@pytest.fixture(scope="module")
+def playwright() -> Iterator[Playwright]:
+    with sync_playwright() as driver:
+        yield driver
+
+
+@pytest.fixture(scope="module")
+def browser(playwright: Playwright) -> Iterator[Browser]:
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+    yield browser
+    browser.close()
+
+
+class Console:
+    """Console errors and uncaught exceptions of a page."""
+
+    def __init__(self, page: Page) -> None:
+        self.errors: list[str] = []
+        page.on("console", self._message)
+        page.on("pageerror", lambda error: self.errors.append(f"pageerror: {error}"))
+
+    def _message(self, message: ConsoleMessage) -> None:
+        if message.type in ("error", "warning") and "DevTools" not in message.text:
+            self.errors.append(f"{message.type}: {message.text}")
+
+
+def open_page(browser: Browser, node: ExoNode, size: str = "desktop", storage_state=None) -> tuple[Page, Console]:
+    width, height = SIZES[size]
+    context = browser.new_context(viewport={"width": width, "height": height}, storage_state=storage_state)
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=node.url)
+    page = context.new_page()
+    console = Console(page)
+    page.goto(f"{node.url}/")
+    expect(page.locator("#connection")).to_have_text("online")
+    return page, console
+
+
+def goto(page: Page, name: str) -> None:
+    page.locator(f'#nav a[data-page="{name}"]').click()
+    expect(page.locator(f"#page-{name}")).to_be_visible()
+
+
+@pytest.fixture(scope="module")
+def page(browser: Browser, cluster: Cluster) -> Iterator[Page]:
+    """One desktop page for the tests in order (they build on each other: place, chat...)."""
+    page, console = open_page(browser, cluster[0])
+    yield page
+    page.context.close()
+    assert console.errors == []
+
+
+def test_the_cluster_page_shows_both_nodes_and_no_line_crosses_a_label(page: Page, cluster: Cluster) -> None:
+    goto(page, "cluster")
+    expect(page.locator("#nodes .card")).to_have_count(2)
+    expect(page.locator("#topology circle")).to_have_count(2)
+    expect(page.locator("#topology line")).to_have_count(1)
+    expect(page.locator("#cluster-summary")).to_contain_text("2 nodes")
+    assert "event" not in page.locator("header").inner_text()
+    crossings = page.evaluate(
+        """async () => {
+            const { segmentCrossesBox } = await import("/dashboard/view.mjs");
+            const lines = [...document.querySelectorAll("#topology line")];
+            const labels = [...document.querySelectorAll("#topology .node-label, #topology .node-detail, #topology .link-label")];
+            const out = [];
+            for (const line of lines) {
+              const [x1, y1, x2, y2] = ["x1", "y1", "x2", "y2"].map((a) => Number(line.getAttribute(a)));
+              for (const label of labels) {
+                if (segmentCrossesBox(x1, y1, x2, y2, label.getBBox())) out.push(label.textContent);
+              }
+            }
+            return { out, labels: labels.length };
+        }"""
+    )
+    assert crossings["labels"] >= 4 and crossings["out"] == [], crossings
+
+
+def test_a_model_is_placed_from_the_models_page(page: Page, cluster: Cluster) -> None:
+    goto(page, "models")
+    page.locator("#model-search").fill("qwen3-thinker")
+    row = page.locator(f'.model-row[data-model="{THINKER}"]')
+    expect(row.locator(".fit")).to_contain_text("fits on", timeout=15000)
+    expect(row).to_contain_text("reasoning: post_last_user")
+    row.get_by_role("button", name="Place", exact=True).click()
+    expect(page.locator("#placing")).to_contain_text(f"placing {THINKER}")
+    expect(row.locator(".badge.ok")).to_have_text("serving", timeout=90000)
+    # "placing …" goes once the model serves.
+    expect(page.locator("#placing")).not_to_contain_text("placing", timeout=5000)
+    assert THINKER in [m["id"] for m in cluster[0].get("/v1/models").json()["data"]]
+
+
+def test_a_streamed_chat_shows_thinking_apart_and_sends_it_back(page: Page) -> None:
+    goto(page, "chat")
+    # Record the Stop button's states: enabled only while the reply streams.
+    page.evaluate(
+        """() => {
+            const stop = document.getElementById("stop-button");
+            window.stopStates = [stop.disabled];
+            new MutationObserver(() => window.stopStates.push(stop.disabled)).observe(stop, { attributes: true });
+        }"""
+    )
+    page.locator("#new-chat").click()
+    page.locator("#chat-model").select_option(THINKER)
+    expect(page.locator("#attach-label")).to_be_hidden()  # the model has no vision
+    page.locator("#tools-box summary").click()
+    page.locator("#chat-tools").fill(json.dumps([GET_WEATHER_TOOL]))
+    page.locator("#chat-input").fill("What is the weather in Paris?")
+    page.locator("#send-button").click()
+    reply = page.locator(".message.assistant").last
+    expect(reply.locator(".stats")).to_contain_text("tokens", timeout=30000)
+    expect(reply.locator(".reply-model")).to_have_text(THINKER)
+    thinking = reply.locator("details.thinking")
+    expect(thinking.locator(".thinking-text")).to_have_text(SCRIPT.reasoning.strip())
+    assert thinking.get_attribute("open") is None  # folded once the answer came
+    thinking.locator("summary").click()
+    expect(thinking).to_have_attribute("open", "")
+    expect(reply.locator(".content")).to_have_text(SCRIPT.content.strip())
+    assert SCRIPT.reasoning.strip() not in reply.locator(".content").inner_text()
+    expect(reply.locator(".tool-call")).to_contain_text('get_weather({"city": "Paris"})')
+    states = page.evaluate("window.stopStates")
+    assert states[0] is True and False in states and states[-1] is True, states
+
+    # The next turn sends the earlier reasoning back, as the page builds the request.
+    page.locator("#chat-input").fill("And tomorrow?")
+    with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
+        page.locator("#chat-input").press("Enter")
+    body = sent.value.post_data_json
+    assert body["model"] == THINKER and body["stream"] is True
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
+    assistant = body["messages"][1]
+    assert assistant["reasoning_content"] == SCRIPT.reasoning and assistant["content"] == SCRIPT.content
+    expect(page.locator(".message.assistant").last.locator(".stats")).to_contain_text("tokens", timeout=30000)
+
+    # Kept in the browser: a reload shows the conversation; rename and delete work.
+    page.reload()
+    goto(page, "chat")
+    expect(page.locator(".message.assistant")).to_have_count(2)
+    item = page.locator("#conversation-list li.active")
+    expect(item).to_contain_text("What is the weather in Paris?")
+    item.get_by_role("button", name="Rename").click()
+    page.locator("input.rename").fill("Paris weather")
+    page.locator("input.rename").press("Enter")
+    expect(page.locator("#conversation-list li.active")).to_have_text(re.compile("Paris weather"))
+    page.locator("#new-chat").click()
+    expect(page.locator("#conversation-list li")).to_have_count(2)
+    page.locator("#conversation-list li.active").get_by_role("button", name="Delete").click()
+    expect(page.locator("#conversation-list li")).to_have_count(1)
+    stored = json.loads(page.evaluate("localStorage.getItem('exo-conversations')"))
+    assert [c["title"] for c in stored] == ["Paris weather"] and len(stored[0]["messages"]) == 4
+
+
+def test_the_integrations_configs_point_here_and_mark_interleaved_per_dialect(page: Page, cluster: Cluster) -> None:
+    node = cluster[0]
+    node.place(TINY_MODEL_ID)
+    goto(page, "integrations")
+    opencode_block = page.locator("#integration-opencode")
+    expect(opencode_block).to_contain_text(TINY_MODEL_ID)
+    opencode = json.loads(opencode_block.locator("pre").inner_text())
+    provider = opencode["provider"]["exo"]
+    assert provider["options"]["baseURL"] == f"{node.url}/v1"
+    models = provider["models"]
+    assert sorted(models) == sorted([THINKER, TINY_MODEL_ID])
+    assert models[THINKER]["interleaved"] == {"field": "reasoning_content"}  # qwen3: post_last_user
+    assert "interleaved" not in models[TINY_MODEL_ID]  # llama: none
+    opencode_block.get_by_role("button", name="Copy").click()
+    assert json.loads(page.evaluate("navigator.clipboard.readText()")) == opencode
+
+    page.locator("#integration-model").select_option(THINKER)
+    claude = page.locator("#integration-claude pre").inner_text()
+    assert f"ANTHROPIC_BASE_URL={node.url}\n" in claude and f"ANTHROPIC_MODEL={THINKER}" in claude
+    codex = page.locator("#integration-codex pre").inner_text()
+    assert f'base_url = "{node.url}/v1"' in codex and f'model = "{THINKER}"' in codex
+    webui = page.locator("#integration-openwebui pre").inner_text()
+    assert f"OPENAI_API_BASE_URL={node.url}/v1" in webui and f"OLLAMA_BASE_URL={node.url}/ollama" in webui
+
+    # Every dialect of the catalog's cards, through the page's own config builder.
+    per_dialect = page.evaluate(
+        """async (base) => {
+            const { opencodeConfig } = await import("/dashboard/view.mjs");
+            const cards = await (await fetch("/models")).json();
+            const models = opencodeConfig(base, cards).provider.exo.models;
+            const out = {};
+            for (const card of cards) (out[card.reasoning_dialect] ??= []).push(models[card.model_id].interleaved ?? null);
+            return out;
+        }""",
+        node.url,
+    )
+    assert set(per_dialect) == {"none", "post_last_user", "suffix", "channel", "tool_conditional"}, per_dialect
+    for dialect, entries in per_dialect.items():
+        expected = (
+            {"field": "reasoning_content"} if dialect in ("tool_conditional", "post_last_user", "channel") else None
+        )
+        assert all(entry == expected for entry in entries), (dialect, entries)
+
+
+def test_a_hub_download_shows_progress_and_is_cancelled_resumed_and_deleted(page: Page, hub: FakeHub) -> None:
+    goto(page, "models")
+    page.locator("#hub-query").fill("hub-model")
+    page.locator("#hub-form button").click()
+    page.locator(f'.hub-row[data-model="{HUB_MODEL}"]').get_by_role("button").click()
+    goto(page, "downloads")
+    row = page.locator(f'.dl-row[data-model="{HUB_MODEL}"]')
+    expect(row.locator(".dl-eta")).to_contain_text("s left", timeout=20000)
+    expect(row.locator(".dl-speed")).to_contain_text("/s")
+    fraction = float(row.locator(".bar").get_attribute("aria-valuenow") or "0")
+    assert 0 <= fraction < 100
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "downloads-in-progress-desktop.png"), full_page=True)
+    row.get_by_role("button", name="Cancel").click()
+    expect(row.locator(".dl-text")).to_contain_text("cancelled", timeout=15000)
+    hub.throttle_bytes_per_second = None
+    row.get_by_role("button", name="Resume").click()
+    expect(row.locator(".dl-text")).to_contain_text("downloaded", timeout=30000)
+    row.get_by_role("button", name="Delete").click()
+    expect(row).to_have_count(0, timeout=15000)
+
+
+def test_every_page_at_desktop_and_phone_size_fits_with_no_console_error(
+    browser: Browser, cluster: Cluster, page: Page
+) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    kept = page.context.storage_state()  # the conversation the chat test left
+    for size in SIZES:
+        page, console = open_page(browser, cluster[0], size, kept)
+        for name in PAGES:
+            goto(page, name)
+            if name == "models":
+                expect(page.locator(".model-row .fit.yes").first).to_be_visible(timeout=15000)
+            if name == "chat":
+                expect(page.locator(".message.assistant").first).to_be_visible()
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(SHOTS / f"{name}-{size}.png"))
+            if name != "models":  # the catalog runs to many screens
+                page.screenshot(path=str(SHOTS / f"{name}-{size}-full.png"), full_page=True)
+            overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+            assert overflow <= 0, f"{name} at {size} is {overflow}px wider than the window"
+        page.context.close()
+        assert console.errors == [], (size, console.errors)
+
+
+def test_the_api_key_prompt_keeps_the_key(browser: Browser, tmp_path: Path) -> None:
+    with running_node(tmp_path / "home", args=("--api-key", "sesame")) as node:
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(f"{node.url}/")
+        dialog = page.locator("#key-dialog")
+        expect(dialog).to_be_visible()
+        page.locator("#key-input").fill("sesame")
+        dialog.get_by_role("button", name="Save").click()
+        expect(page.locator("#connection")).to_have_text("online")
+        assert page.evaluate("localStorage.getItem('exo-api-key')") == "sesame"
+        page.reload()
+        expect(page.locator("#connection")).to_have_text("online")
+        expect(dialog).to_be_hidden()
+        context.close()
