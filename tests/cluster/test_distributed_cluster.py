@@ -159,7 +159,8 @@ def test_killing_one_rank_fails_the_request_and_the_model_moves_to_the_survivor(
             if number == 10:
                 os.killpg(victim.process.pid, signal.SIGKILL)
                 started = time.monotonic()
-    assert started is not None and time.monotonic() - started < 15, "the client waited too long for the error"
+    told = time.monotonic() - started if started is not None else None
+    assert told is not None and told < 5, f"the client waited {told} s for the error"
     state = survivor.wait_for_state(lambda s: instance_id not in s["instances"], timeout=30, what="instance torn down")
     assert instance_id in state["instanceDeletions"]
     # The model fits on the survivor alone, so it is placed there again and serves.
@@ -169,6 +170,45 @@ def test_killing_one_rank_fails_the_request_and_the_model_moves_to_the_survivor(
     (replacement,) = state["instances"].values()
     assert list(replacement["shardAssignments"]["nodeToRunner"]) == [survivor.node_id()]
     assert greedy(survivor, max_tokens=4)
+    serving_again = time.monotonic() - started
+    # The survivor's rank was freed: only the replacement's runner is left on it.
+    assert len(survivor.runner_pids()) == 1
+    print(f"rank's node killed: client told in {told:.1f} s, serving again {serving_again:.1f} s after the kill")
+
+
+def test_killing_one_ranks_runner_fails_the_request_and_the_instance_comes_back(two_nodes):
+    """kill -9 of the runner process of rank 1 alone (its node lives on): rank 0, blocked
+    in the ring, loses its peer; the client is told at once and both ranks restart."""
+    instance_id = place_and_wait(two_nodes[0], "Pipeline", 2)
+    instance = two_nodes[0].state()["instances"][instance_id]
+    by_rank = {shard["deviceRank"]: runner for runner, shard in instance["shardAssignments"]["runnerToShard"].items()}
+    rank1_node_id = next(n for n, r in instance["shardAssignments"]["nodeToRunner"].items() if r == by_rank[1])
+    rank1_node = next(n for n in two_nodes if n.node_id() == rank1_node_id)
+    sdk = openai.OpenAI(base_url=f"{two_nodes[0].url}/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = sdk.chat.completions.create(
+        model=TINY_MODEL_ID, messages=PROMPT, max_tokens=5000, temperature=0, stream=True
+    )
+    started = None
+    with pytest.raises(openai.APIError):
+        for number, _ in enumerate(stream):
+            if number == 10:
+                (runner_pid,) = rank1_node.runner_pids()
+                os.kill(runner_pid, signal.SIGKILL)
+                started = time.monotonic()
+    told = time.monotonic() - started if started is not None else None
+    assert told is not None and told < 5, f"the client waited {told} s for the error"
+    two_nodes[0].wait_for_state(
+        lambda s: (
+            instance_id in s["instances"]
+            and [r["kind"] for r in s["runners"].values()] == ["RunnerReady", "RunnerReady"]
+        ),
+        timeout=90,
+        what="both ranks serving again",
+    )
+    assert greedy(two_nodes[1], max_tokens=4)
+    print(
+        f"rank 1's runner killed: client told in {told:.1f} s, serving again {time.monotonic() - started:.1f} s after"
+    )
 
 
 def test_a_ring_port_taken_on_the_host_is_moved_and_the_instance_serves(two_nodes):
