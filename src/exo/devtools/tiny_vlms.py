@@ -233,69 +233,52 @@ def make_tiny_gemma4_vlm(path: Path, seed: int = 0, layout: str = "e2b") -> Path
 def make_tiny_qwen2_5_vl(path: Path, seed: int = 0) -> Path:
     """Qwen2.5-VL: a Qwen2 language model with 3-D rotary positions (M-RoPE) and the
     window-attention vision tower whose merger projects into the text width."""
-    import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    path = Path(path)
-    ids = _write_vlm_tokenizer(path, QWEN_VL_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>")
-    rope = {"rope_type": "default", "rope_theta": QWEN_VL_ROPE_THETA, "mrope_section": QWEN_VL_ROPE["mrope_section"]}
-    text = {
-        **QWEN_VL_TEXT,
-        "vocab_size": ids["vocab_size"],
-        "rope_parameters": rope,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-    }
-    config = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=dict(QWEN_VL_VISION),
-        image_token_id=ids["image_token"],
-        video_token_id=ids["video_token"],
-        vision_start_token_id=ids["vision_start_token"],
-        vision_end_token_id=ids["vision_end_token"],
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    _sharpen(model, seed)
-    model.save_pretrained(path)
-    # As the hub's checkpoints write it: rope_theta and rope_scaling, which mlx-lm reads.
-    saved = json.loads((path / "config.json").read_text())
-    text_saved = {**saved["text_config"], "rope_theta": QWEN_VL_ROPE_THETA, "rope_scaling": QWEN_VL_ROPE}
-    _update_config(path, vocab_size=ids["vocab_size"], text_config=text_saved)
-    processor = {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor",
-        "patch_size": QWEN_VL_VISION["patch_size"],
-        "merge_size": QWEN_VL_VISION["spatial_merge_size"],
-        "temporal_patch_size": QWEN_VL_VISION["temporal_patch_size"],
-        "min_pixels": 16 * 16,
-        "max_pixels": 128 * 128,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "resample": 3,
-    }
-    (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    rope = {"rope_type": "default", "mrope_section": QWEN_VL_ROPE["mrope_section"]}
+    text = {**QWEN_VL_TEXT, "bos_token_id": 0, "eos_token_id": 1}
+    classes = (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)
+    _make_tiny_qwen_vl(path, seed, classes, text, QWEN_VL_VISION, (rope, QWEN_VL_ROPE))
+    bounds = {"min_pixels": 16 * 16, "max_pixels": 128 * 128}
+    clip = {"image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+    _write_qwen_processor(path, "Qwen2_5_VLProcessor", QWEN_VL_VISION, {**bounds, **clip})
     return path
 
 
 def make_tiny_qwen3_vl(path: Path, seed: int = 0) -> Path:
     """Qwen3-VL: a Qwen3 language model with interleaved M-RoPE, and a tower whose
     early blocks feed DeepStack features to the first decoder layers."""
-    import torch
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
+    classes = (Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+    _make_tiny_qwen_vl(path, seed, classes, QWEN3_VL_TEXT, QWEN3_VL_VISION, (QWEN3_VL_ROPE, QWEN3_VL_ROPE))
+    # Qwen3-VL's processor configs give the pixel bounds as `size`.
+    bounds = {"size": {"shortest_edge": 16 * 16, "longest_edge": 128 * 128}}
+    _write_qwen_processor(
+        path, "Qwen3VLProcessor", QWEN3_VL_VISION, {**bounds, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+    )
+    return path
+
+
+def _make_tiny_qwen_vl(
+    path: Path,
+    seed: int,
+    classes: tuple[Any, Any],
+    text_config: dict[str, Any],
+    vision_config: dict[str, Any],
+    ropes: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    """A Qwen-VL grid model: `ropes` is its rope as transformers takes it, and as the
+    hub's checkpoints write it (rope_scaling, which mlx-lm reads, beside rope_theta)."""
+    import torch
+
+    config_class, model_class = classes
     path = Path(path)
     ids = _write_vlm_tokenizer(path, QWEN_VL_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>")
-    rope = {**QWEN3_VL_ROPE, "rope_theta": QWEN_VL_ROPE_THETA}
-    text = {**QWEN3_VL_TEXT, "vocab_size": ids["vocab_size"], "rope_parameters": rope}
-    config = Qwen3VLConfig(
-        text_config=text,
-        vision_config=dict(QWEN3_VL_VISION),
+    rope = {**ropes[0], "rope_theta": QWEN_VL_ROPE_THETA}
+    config = config_class(
+        text_config={**text_config, "vocab_size": ids["vocab_size"], "rope_parameters": rope},
+        vision_config=dict(vision_config),
         image_token_id=ids["image_token"],
         video_token_id=ids["video_token"],
         vision_start_token_id=ids["vision_start_token"],
@@ -303,31 +286,29 @@ def make_tiny_qwen3_vl(path: Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config)
+    model = model_class(config)
     _sharpen(model, seed)
     model.save_pretrained(path)
-    # As the hub's checkpoints write it: rope_theta and rope_scaling beside each other.
     saved = json.loads((path / "config.json").read_text())
-    text_saved = {**saved["text_config"], "rope_theta": QWEN_VL_ROPE_THETA, "rope_scaling": dict(QWEN3_VL_ROPE)}
+    text_saved = {**saved["text_config"], "rope_theta": QWEN_VL_ROPE_THETA, "rope_scaling": dict(ropes[1])}
     _update_config(path, vocab_size=ids["vocab_size"], text_config=text_saved)
+
+
+def _write_qwen_processor(path: Path, processor_class: str, vision: dict[str, Any], fields: dict[str, Any]) -> None:
     processor = {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen3VLProcessor",
-        "patch_size": QWEN3_VL_VISION["patch_size"],
-        "merge_size": QWEN3_VL_VISION["spatial_merge_size"],
-        "temporal_patch_size": QWEN3_VL_VISION["temporal_patch_size"],
-        # Qwen3-VL's processor configs give the pixel bounds as `size`.
-        "size": {"shortest_edge": 16 * 16, "longest_edge": 128 * 128},
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
+        "processor_class": processor_class,
+        "patch_size": vision["patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+        **fields,
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
         "do_convert_rgb": True,
         "resample": 3,
     }
-    (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
-    return path
+    (Path(path) / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
 
 
 def make_tiny_vlm(path: Path, name: str, seed: int = 0) -> Path:

@@ -327,41 +327,30 @@ def _gemma4(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
     return VisionEncoder(config, encode)
 
 
-def _qwen2_5_vl(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
+def _qwen_vl(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
+    """The grid family's tower: Qwen2.5-VL's (window attention), or Qwen3-VL's, which
+    also gives, per DeepStack level, the features of one of its early blocks through
+    that level's own merger."""
+    qwen3 = config["model_type"] == "qwen3_vl"
     # The tower checks its model_type is the family's; HF names it by the vision part.
-    vision_config = QwenVisionConfig.from_dict({**config["vision_config"], "model_type": "qwen2_5_vl"})
-    tower = QwenVisionModel(vision_config)
+    fields = {**config["vision_config"], "model_type": config["model_type"]}
+    if qwen3:
+        vision_config = Qwen3VisionConfig.from_dict(fields)
+        tower: Any = Qwen3VisionModel(vision_config)
+    else:
+        vision_config = QwenVisionConfig.from_dict(fields)
+        tower = QwenVisionModel(vision_config)
     _load_into(tower, tower.sanitize(_weights(model_dir, ("model.visual.", "visual."))), config)
     dtype = tower.patch_embed.proj.weight.dtype
-    # transformers' image processor of the PIL kind: no torchvision.
+    # transformers' image processor of the PIL kind (both families use it): no torchvision.
     processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
     merge = vision_config.spatial_merge_size
 
     def encode(image: Image.Image) -> Encoded:
         batch = processor(images=[image], return_tensors="np")
         grid = np.asarray(batch["image_grid_thw"])
-        features = tower(mx.array(np.asarray(batch["pixel_values"])).astype(dtype), mx.array(grid))
-        _, rows, columns = (int(n) for n in grid[0])
-        return Encoded(features, (rows // merge, columns // merge))
-
-    return VisionEncoder(config, encode, rope_positions=True)
-
-
-def _qwen3_vl(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
-    """The tower gives the merged features and, per DeepStack level, the features of one
-    of its early blocks through that level's own merger."""
-    vision_config = Qwen3VisionConfig.from_dict({**config["vision_config"], "model_type": "qwen3_vl"})
-    tower = Qwen3VisionModel(vision_config)
-    _load_into(tower, tower.sanitize(_weights(model_dir, ("model.visual.", "visual."))), config)
-    dtype = tower.patch_embed.proj.weight.dtype
-    processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
-    merge = vision_config.spatial_merge_size
-
-    def encode(image: Image.Image) -> Encoded:
-        batch = processor(images=[image], return_tensors="np")
-        grid = np.asarray(batch["image_grid_thw"])
-        features, levels = tower(mx.array(np.asarray(batch["pixel_values"])).astype(dtype), mx.array(grid))
-        levels = cast(list[mx.array], levels)
+        out = tower(mx.array(np.asarray(batch["pixel_values"])).astype(dtype), mx.array(grid))
+        features, levels = cast(tuple[mx.array, list[mx.array]], out) if qwen3 else (out, [])
         _, rows, columns = (int(n) for n in grid[0])
         return Encoded(features, (rows // merge, columns // merge), mx.stack(levels) if levels else None)
 
@@ -371,8 +360,8 @@ def _qwen3_vl(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
 # Per config model_type (shared/models/vision.py lists them): how to build the vision side.
 _FAMILIES: dict[str, Callable[[Path, dict[str, Any]], VisionEncoder]] = {
     "gemma4": _gemma4,
-    "qwen2_5_vl": _qwen2_5_vl,
-    "qwen3_vl": _qwen3_vl,
+    "qwen2_5_vl": _qwen_vl,
+    "qwen3_vl": _qwen_vl,
 }
 
 

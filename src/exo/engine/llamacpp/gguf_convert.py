@@ -1,0 +1,389 @@
+"""An HF-layout model dir (transformers' or MLX's safetensors) as a GGUF llama.cpp loads,
+converted once and cached, at the checkpoint's own precision: f32 stays F32, bf16 BF16,
+f16 F16; MLX affine 4-bit becomes Q4_1 with the same codes, scales and biases (no
+requantizing: gguf_tensors.py), MLX 8-bit becomes Q8_0, the nearest ggml type. Norms,
+biases and rope factors are F32, as llama.cpp's own converter writes them.
+
+Facts taken from llama.cpp's convert_hf_to_gguf.py (not its code): llama.cpp's LLAMA
+architecture rotates q and k by interleaved pairs, so their rows are permuted from HF's
+half-split order; Llama 3's rope scaling is a `rope_freqs` tensor of per-frequency
+factors; Qwen rotates by halves (no permutation). No MLX and no torch here: numpy,
+the gguf package and the tokenizers library."""
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGML_QUANT_VERSION,
+    MODEL_ARCH,
+    MODEL_ARCH_NAMES,
+    MODEL_TENSOR,
+    TENSOR_NAMES,
+    GGMLQuantizationType,
+    GGUFWriter,
+    LlamaFileType,
+    RopeScalingType,
+    TensorNameMap,
+    get_tensor_name_map,
+)
+
+from exo.engine.llamacpp.gguf_tensors import Affine, Tensor, dequantize_affine, ggml_quantized, read_safetensors
+from exo.engine.llamacpp.gguf_vocab import TOKENIZER_FILES, write_vocab
+
+# Bumped whenever the converter writes different bytes for the same checkpoint, so
+# caches made by an older one are converted again.
+CONVERTER_VERSION = 1
+
+_ARCHS = {
+    "llama": MODEL_ARCH.LLAMA,
+    "qwen2": MODEL_ARCH.QWEN2,
+    "qwen3": MODEL_ARCH.QWEN3,
+    "qwen3_moe": MODEL_ARCH.QWEN3MOE,
+}
+_ROPE_TYPES = {None, "default", "linear", "yarn", "llama3"}
+_FLOAT_TYPES = {
+    "F32": GGMLQuantizationType.F32,
+    "F16": GGMLQuantizationType.F16,
+    "BF16": GGMLQuantizationType.BF16,
+}
+_FILE_TYPES = {
+    GGMLQuantizationType.Q4_1: LlamaFileType.MOSTLY_Q4_1,
+    GGMLQuantizationType.Q8_0: LlamaFileType.MOSTLY_Q8_0,
+    GGMLQuantizationType.BF16: LlamaFileType.MOSTLY_BF16,
+    GGMLQuantizationType.F16: LlamaFileType.MOSTLY_F16,
+}
+_SKIPPED_SUFFIXES = (".scales", ".biases", "rotary_emb.inv_freq")
+
+Progress = Callable[[int, int], None]
+
+
+# --- what can be converted -------------------------------------------------------------
+
+
+def _rope_scaling(config: dict) -> dict:
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    return scaling if scaling.get("rope_type", scaling.get("type")) not in (None, "default") else {}
+
+
+def _rope_type(config: dict) -> str | None:
+    scaling = _rope_scaling(config)
+    return scaling.get("rope_type", scaling.get("type")) if scaling else None
+
+
+def _quantization_reason(quantization: dict) -> str | None:
+    entries = [quantization] + [v for v in quantization.values() if isinstance(v, dict)]
+    for entry in entries:
+        mode, bits, group = entry.get("mode", "affine"), entry.get("bits"), entry.get("group_size")
+        if mode != "affine":
+            return f"MLX {mode} quantization has no ggml mapping here (affine 4 and 8 bits do)"
+        if bits == 4 and isinstance(group, int) and group % 32 == 0:
+            continue
+        if bits == 8:
+            continue
+        return f"MLX affine {bits}-bit with groups of {group} has no ggml mapping (4-bit in groups of 32k, or 8-bit)"
+    return None
+
+
+def supports(config: dict) -> str | None:
+    """None when gguf_for can convert a checkpoint of this config.json, else why not."""
+    model_type = config.get("model_type")
+    if model_type not in _ARCHS:
+        return f"GGUF conversion covers {', '.join(_ARCHS)}, not {model_type}"
+    if "quantization" in config:
+        if (reason := _quantization_reason(config["quantization"])) is not None:
+            return reason
+    elif "quantization_config" in config:
+        method = config["quantization_config"].get("quant_method", "unknown")
+        return f"a {method}-quantized checkpoint cannot be converted (only float and MLX affine ones)"
+    if (rope := _rope_type(config)) not in _ROPE_TYPES:
+        return f"rope scaling {rope} is not converted"
+    if config.get("use_sliding_window"):
+        return "sliding-window attention is not converted"
+    if model_type == "qwen3_moe":
+        if not config.get("norm_topk_prob", False):
+            return "llama.cpp's qwen3moe always renormalizes the top-k router weights; this config does not"
+        if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+            return "llama.cpp's qwen3moe wants every layer MoE"
+    return None
+
+
+# --- the GGUF's keys -------------------------------------------------------------------
+
+
+def _head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def _write_hparams(writer: GGUFWriter, config: dict) -> None:
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    writer.add_rope_freq_base(float(theta))
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if config["model_type"] == "qwen3_moe":
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config["model_type"] == "llama":
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(_head_dim(config))
+    scaling = _rope_scaling(config)
+    rope = _rope_type(config)
+    if rope == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+    elif rope == "yarn":
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+
+
+def _llama3_rope_factors(config: dict) -> np.ndarray:
+    """Llama 3's per-frequency rope divisors (transformers' _compute_llama3_parameters)."""
+    scaling = _rope_scaling(config)
+    dim = _head_dim(config)
+    theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_context = scaling.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+# --- the tensors -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One GGUF tensor: its name, type, shape as the writer takes it, and its bytes later."""
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    nbytes: int
+    make: Callable[[], np.ndarray]
+
+
+def _permute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """HF's rotate-half order per head to llama.cpp's interleaved pairs (rows only)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _row_fix(config: dict, name: str) -> Callable[[np.ndarray], np.ndarray]:
+    if config["model_type"] != "llama":
+        return lambda rows: rows
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return lambda rows: _permute_rows(rows, config["num_attention_heads"])
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        return lambda rows: _permute_rows(rows, heads)
+    return lambda rows: rows
+
+
+def _quantization_of(config: dict, name: str) -> tuple[int, int]:
+    quantization = config["quantization"]
+    entry = quantization.get(name.removesuffix(".weight"))
+    entry = entry if isinstance(entry, dict) else quantization
+    return entry["bits"], entry["group_size"]
+
+
+def _plan_quantized(config: dict, name: str, tensors: dict[str, Tensor], gguf_name: str, widen: bool) -> _Planned:
+    base = name.removesuffix(".weight")
+    bits, group = _quantization_of(config, name)
+    weight, scales, biases = tensors[name], tensors[base + ".scales"], tensors[base + ".biases"]
+    fix = _row_fix(config, name)
+    in_features = weight.shape[-1] * 32 // bits
+
+    def affine() -> Affine:
+        return Affine(fix(weight.raw()), fix(scales.as_float32()), fix(biases.as_float32()), bits, group)
+
+    if widen or gguf_name.endswith("ffn_gate_inp.weight"):
+        # A router picks experts: widened exactly to F32 (it is small), not requantized.
+        shape = (*weight.shape[:-1], in_features)
+        return _Planned(gguf_name, GGMLQuantizationType.F32, shape, 4 * math.prod(shape),
+                        lambda: dequantize_affine(affine()))  # fmt: skip
+
+    def make() -> np.ndarray:
+        return ggml_quantized(affine())[0]
+
+    ggml_type = GGMLQuantizationType.Q4_1 if bits == 4 else GGMLQuantizationType.Q8_0
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    shape = (*weight.shape[:-1], in_features // block * size)
+    return _Planned(gguf_name, ggml_type, shape, math.prod(shape), make)
+
+
+def _plan_float(config: dict, name: str, tensor: Tensor, gguf_name: str) -> _Planned:
+    fix = _row_fix(config, name)
+    if len(tensor.shape) == 1 or tensor.dtype not in _FLOAT_TYPES:
+        return _Planned(
+            gguf_name,
+            GGMLQuantizationType.F32,
+            tensor.shape,
+            4 * math.prod(tensor.shape),
+            lambda: fix(tensor.as_float32()),
+        )
+    ggml_type = _FLOAT_TYPES[tensor.dtype]
+    itemsize = 4 if ggml_type == GGMLQuantizationType.F32 else 2
+    return _Planned(gguf_name, ggml_type, tensor.shape, itemsize * math.prod(tensor.shape), lambda: fix(tensor.raw()))
+
+
+_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(\w+_proj\.weight)$")
+
+
+def _plan_stacked(name: str, experts: list[Tensor], gguf_name: str) -> _Planned:
+    """One expert tensor per expert (transformers' layout) as one stacked GGUF tensor."""
+    first = experts[0]
+    shape = (len(experts), *first.shape)
+    if first.dtype not in _FLOAT_TYPES or any(e.shape != first.shape or e.dtype != first.dtype for e in experts):
+        raise ValueError(f"{name}: experts of different shapes or types")
+    ggml_type = _FLOAT_TYPES[first.dtype]
+    itemsize = 4 if ggml_type == GGMLQuantizationType.F32 else 2
+    return _Planned(gguf_name, ggml_type, shape, itemsize * math.prod(shape),
+                    lambda: np.stack([e.raw() for e in experts]))  # fmt: skip
+
+
+def _stack_experts(tensors: dict[str, Tensor]) -> dict[str, list[Tensor]]:
+    """Per-expert names (mlp.experts.E.gate_proj.weight) grouped under mlp.experts.gate_proj.weight."""
+    groups: dict[str, dict[int, Tensor]] = {}
+    for name, tensor in tensors.items():
+        if match := _EXPERT.match(name):
+            groups.setdefault(f"{match[1]}.experts.{match[3]}", {})[int(match[2])] = tensor
+    return {name: [by_id[i] for i in sorted(by_id)] for name, by_id in groups.items()}
+
+
+def _plan(config: dict, tensors: dict[str, Tensor], widen: bool) -> Iterator[_Planned]:
+    arch = _ARCHS[config["model_type"]]
+    names = get_tensor_name_map(arch, config["num_hidden_layers"])
+    tied = config.get("tie_word_embeddings", False)
+    for name, experts in _stack_experts(tensors).items():
+        yield _plan_stacked(name, experts, _gguf_name(names, name, config))
+    for name in tensors:
+        if name.endswith(_SKIPPED_SUFFIXES) or (tied and name.startswith("lm_head.")) or _EXPERT.match(name):
+            continue
+        gguf_name = _gguf_name(names, name, config)
+        if name.endswith(".weight") and name.removesuffix(".weight") + ".scales" in tensors:
+            yield _plan_quantized(config, name, tensors, gguf_name, widen)
+        else:
+            yield _plan_float(config, name, tensors[name], gguf_name)
+    if _rope_type(config) == "llama3":
+        factors = _llama3_rope_factors(config)
+        yield _Planned(
+            TENSOR_NAMES[MODEL_TENSOR.ROPE_FREQS] + ".weight",
+            GGMLQuantizationType.F32,
+            factors.shape,
+            factors.nbytes,
+            lambda: factors,
+        )
+
+
+def _gguf_name(names: TensorNameMap, name: str, config: dict) -> str:
+    # mlx-lm stacks experts as mlp.switch_mlp.*; transformers' stacked name is mlp.experts.*
+    gguf_name = names.get_name(name.replace(".mlp.switch_mlp.", ".mlp.experts."), try_suffixes=(".weight", ".bias"))
+    if gguf_name is None:
+        raise ValueError(f"tensor {name} has no GGUF name for {config['model_type']}")
+    return gguf_name
+
+
+def _file_type(plan: list[_Planned]) -> LlamaFileType:
+    kinds = {p.ggml_type for p in plan}
+    return next((_FILE_TYPES[k] for k in _FILE_TYPES if k in kinds), LlamaFileType.ALL_F32)
+
+
+# --- conversion and cache --------------------------------------------------------------
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no .safetensors files")
+    return files
+
+
+def convert(model_dir: Path, out: Path, on_progress: Progress | None = None, *, widen: bool = False) -> None:
+    """Write the GGUF of `model_dir` at `out`. With `widen`, MLX-quantized weights are
+    written as F32, exactly dequantized: for checks, since llama.cpp's quantized CPU
+    matmuls also round the activations to 8 bits (Q8_0 / Q8_1 blocks)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if (reason := supports(config)) is not None:
+        raise ValueError(f"{model_dir.name}: {reason}")
+    plan = list(_plan(config, read_safetensors(_weight_files(model_dir)), widen))
+    writer = GGUFWriter(out, MODEL_ARCH_NAMES[_ARCHS[config["model_type"]]])
+    writer.add_name(model_dir.name)
+    _write_hparams(writer, config)
+    file_type = _file_type(plan)
+    writer.add_file_type(file_type)
+    if file_type in (LlamaFileType.MOSTLY_Q4_1, LlamaFileType.MOSTLY_Q8_0):
+        writer.add_quantization_version(GGML_QUANT_VERSION)
+    write_vocab(writer, model_dir, config["vocab_size"])
+    for p in plan:
+        dtype = np.uint8 if p.ggml_type in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0) else np.float32
+        writer.add_tensor_info(p.name, p.shape, np.dtype(dtype), p.nbytes, raw_dtype=p.ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    total, done = sum(p.nbytes for p in plan), 0
+    for p in plan:
+        data = np.ascontiguousarray(p.make())
+        if data.nbytes != p.nbytes:
+            raise AssertionError(f"{p.name}: made {data.nbytes} bytes, planned {p.nbytes}")
+        writer.write_tensor_data(data)
+        done += p.nbytes
+        if on_progress is not None:
+            on_progress(done, total)
+    writer.close()
+
+
+def _cache_key(model_dir: Path) -> str:
+    """The converter's version and the name, size and mtime of every file it reads."""
+    files = _weight_files(model_dir) + [model_dir / n for n in ("config.json", *TOKENIZER_FILES)]
+    digest = hashlib.sha256(f"exo-gguf-{CONVERTER_VERSION}".encode())
+    for path in files:
+        if path.is_file():
+            stat = path.stat()
+            digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return digest.hexdigest()[:16]
+
+
+def gguf_for(model_dir: Path, cache_dir: Path, on_progress: Progress | None = None) -> Path:
+    """The GGUF of `model_dir`, converted on first use into `cache_dir` and reused while
+    the dir's files are unchanged. Other conversions of the same dir are removed once a
+    new one is complete; two processes asking at once convert once (a file lock)."""
+    model_dir = model_dir.resolve()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    prefix = f"{model_dir.name}-{hashlib.sha256(str(model_dir).encode()).hexdigest()[:8]}-"
+    path = cache_dir / f"{prefix}{_cache_key(model_dir)}.gguf"
+    with (cache_dir / f"{prefix}lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            partial = path.with_suffix(".partial")
+            convert(model_dir, partial, on_progress)
+            os.replace(partial, path)
+            for old in cache_dir.glob(f"{prefix}*.gguf"):
+                if old != path:
+                    old.unlink()
+    return path

@@ -1,0 +1,191 @@
+"""The GGUF converter (engine/llamacpp/gguf_convert.py) gives llama.cpp the checkpoint's
+own numbers.
+
+Float: for llama, qwen2 and qwen3 a random float32 transformers model with sharp weights
+(N(0, 0.08), devtools/onboard.py's write_reference_model) is converted to an F32 GGUF and
+loaded by llama-cpp-python; its logprobs over a 64-token prompt must equal transformers'
+full forward within 1e-4 (llama's q/k row permutation and Llama 3's rope factors
+included: without either llama is far off).
+
+MLX 4-bit: the tiny llama quantized by mlx-lm (affine, groups of 64, bf16 scales, the
+embedding too) becomes Q4_1 without requantizing: gguf's dequantize of every weight
+equals mx.dequantize bit for bit. Against mlx-lm's forward of that 4-bit model (in
+float32, its scales widened exactly): the same weights widened to F32 in the GGUF give
+its logprobs within 1e-4 (measured 1.6e-6); served as Q4_1 they are 4.6e-2 off, not
+within 1e-3, because llama.cpp's CPU Q4_1 matmul rounds each activation row to Q8_1
+blocks first (a kernel property, not the conversion's: the weights are exact).
+
+The cache: a second call converts nothing; a changed weight file converts again."""
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import llama_cpp
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGUFReader, dequantize
+from mlx.utils import tree_map
+from mlx_lm import convert as mlx_convert
+from mlx_lm.utils import load_model
+
+from exo.devtools.onboard import random_prompt, write_reference_model
+from exo.devtools.tiny_configs import TINY_CONFIGS
+from exo.engine.llamacpp.gguf_convert import convert, gguf_for, supports
+
+PROMPT_LEN = 64
+FLOAT_TOLERANCE = 1e-4
+# llama.cpp's Q8_1 activations on these sharp tiny weights cost 4.6e-2 (see above).
+Q4_ACTIVATION_TOLERANCE = 0.1
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def _without_extra_buffers() -> llama_cpp.llama_model_params:
+    """llama.cpp's default model params without its extra CPU buffer types. Built with
+    -march=native on this CPU, ggml puts quantized weights in its AMX buffer, and the
+    sandbox faults on AMX tile instructions (SIGILL) although the CPU lists them; the
+    plain CPU kernels compute the same Q4_1 x Q8_1 dot products."""
+    params = _default_model_params()
+    params.use_extra_bufts = False
+    return params
+
+
+_default_model_params = llama_cpp.llama_cpp.llama_model_default_params
+llama_cpp.llama_cpp.llama_model_default_params = _without_extra_buffers
+
+
+def _llama_cpp_logprobs(path: Path, prompt: list[int]) -> np.ndarray:
+    # An f32 KV cache: llama.cpp's default f16 one alone is ~1e-3 off at full precision.
+    llm = llama_cpp.Llama(
+        str(path), logits_all=True, n_ctx=2 * PROMPT_LEN, n_threads=2, verbose=False,
+        type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
+    )  # fmt: skip
+    llm.eval(prompt)
+    return _log_softmax(np.array(llm.scores[: len(prompt)]))
+
+
+def _progress_calls(model_dir: Path, cache: Path) -> tuple[Path, int]:
+    calls = []
+    path = gguf_for(model_dir, cache, lambda done, total: calls.append((done, total)))
+    return path, len(calls)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_float_gguf_matches_transformers(family: str, tmp_path: Path) -> None:
+    import torch
+
+    model = write_reference_model(tmp_path / "model", copy.deepcopy(TINY_CONFIGS[family]))
+    prompt = random_prompt(model.config.vocab_size, PROMPT_LEN)
+    with torch.no_grad():
+        reference = _log_softmax(model(torch.tensor([prompt])).logits[0].float().numpy())
+    path = gguf_for(tmp_path / "model", tmp_path / "cache")
+    assert {t.tensor_type.name for t in GGUFReader(path).tensors} == {"F32"}
+    diff = float(np.abs(_llama_cpp_logprobs(path, prompt) - reference).max())
+    print(f"{family} F32: max |logprob diff| {diff:.2e}")
+    assert diff <= FLOAT_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def mlx_4bit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("q4")
+    write_reference_model(root / "float", copy.deepcopy(TINY_CONFIGS["llama"]))
+    mlx_convert(str(root / "float"), str(root / "q4"), quantize=True, q_bits=4, q_group_size=64, dtype="bfloat16")
+    return root / "q4"
+
+
+def _as_hf_rows(rows: np.ndarray, name: str, config: dict) -> np.ndarray:
+    """Undo llama.cpp's interleaved q/k row order, back to the checkpoint's."""
+    if not name.endswith(("attn_q.weight", "attn_k.weight")):
+        return rows
+    heads = config["num_attention_heads"] if "attn_q" in name else config["num_key_value_heads"]
+    return rows.reshape(heads, rows.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(rows.shape)
+
+
+def test_mlx_4bit_is_q4_1_bit_for_bit(mlx_4bit: Path, tmp_path: Path) -> None:
+    config = json.loads((mlx_4bit / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
+    weights = mx.load(str(mlx_4bit / "model.safetensors"))
+    assert weights["model.embed_tokens.scales"].dtype == mx.bfloat16
+    tensors = {t.name: t for t in GGUFReader(gguf_for(mlx_4bit, tmp_path)).tensors}
+    quantized = [name.removesuffix(".scales") for name in weights if name.endswith(".scales")]
+    assert "model.embed_tokens" in quantized and len(quantized) == 1 + 7 * config["num_hidden_layers"]
+    gguf_names = {
+        "model.embed_tokens": "token_embd.weight",
+        "self_attn.q_proj": "attn_q.weight", "self_attn.k_proj": "attn_k.weight",
+        "self_attn.v_proj": "attn_v.weight", "self_attn.o_proj": "attn_output.weight",
+        "mlp.gate_proj": "ffn_gate.weight", "mlp.up_proj": "ffn_up.weight", "mlp.down_proj": "ffn_down.weight",
+    }  # fmt: skip
+    for base in quantized:
+        layer, _, part = base.removeprefix("model.layers.").partition(".")
+        name = gguf_names[base] if base in gguf_names else f"blk.{layer}.{gguf_names[part]}"
+        expected = np.array(
+            mx.dequantize(
+                weights[base + ".weight"],
+                weights[base + ".scales"].astype(mx.float32),
+                weights[base + ".biases"].astype(mx.float32),
+                group_size=64,
+                bits=4,
+            )
+        )
+        tensor = tensors[name]
+        assert tensor.tensor_type.name == "Q4_1"
+        got = _as_hf_rows(dequantize(tensor.data, tensor.tensor_type).reshape(expected.shape), name, config)
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), base
+
+
+def test_mlx_4bit_logprobs_match_mlx_lm(mlx_4bit: Path, tmp_path: Path) -> None:
+    model, _ = load_model(mlx_4bit)
+    # float32 activations; bf16 -> f32 scales and biases are exact, so the weights are the same
+    model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, model.parameters()))
+    prompt = random_prompt(json.loads((mlx_4bit / "config.json").read_text())["vocab_size"], PROMPT_LEN)
+    logits = model(mx.array([prompt]))[0]
+    reference = _log_softmax(np.array(logits.astype(mx.float32)))
+    convert(mlx_4bit, tmp_path / "widened.gguf", widen=True)
+    widened = float(np.abs(_llama_cpp_logprobs(tmp_path / "widened.gguf", prompt) - reference).max())
+    diff = float(np.abs(_llama_cpp_logprobs(gguf_for(mlx_4bit, tmp_path), prompt) - reference).max())
+    print(f"MLX 4-bit against mlx-lm: widened to F32 {widened:.2e}, as Q4_1 {diff:.2e}")
+    assert widened <= FLOAT_TOLERANCE
+    assert diff <= Q4_ACTIVATION_TOLERANCE
+
+
+def test_cache_converts_once_and_again_when_weights_change(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    write_reference_model(model_dir, copy.deepcopy(TINY_CONFIGS["qwen3"]))
+    cache = tmp_path / "cache"
+    first, calls = _progress_calls(model_dir, cache)
+    assert calls > 0
+    stamp = first.stat().st_mtime_ns
+    again, calls = _progress_calls(model_dir, cache)
+    assert (again, calls, again.stat().st_mtime_ns) == (first, 0, stamp)
+
+    weights = model_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4:] = np.float32(0.5).tobytes()  # the last tensor's last value
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(stamp + 10**9, stamp + 10**9))
+    changed, calls = _progress_calls(model_dir, cache)
+    assert changed != first and calls > 0
+    assert sorted(p.name for p in cache.glob("*.gguf")) == [changed.name]
+
+
+def test_supports_says_why_not() -> None:
+    for family in ("llama", "qwen2", "qwen3"):
+        assert supports(TINY_CONFIGS[family]) is None
+    assert supports({**TINY_CONFIGS["llama"], "quantization": {"group_size": 64, "bits": 4}}) is None
+    assert supports({**TINY_CONFIGS["llama"], "quantization": {"group_size": 32, "bits": 8}}) is None
+    reasons = [
+        supports(TINY_CONFIGS["gpt_oss"]),
+        supports({**TINY_CONFIGS["llama"], "quantization": {"group_size": 64, "bits": 3}}),
+        supports({**TINY_CONFIGS["llama"], "quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}),
+        supports({**TINY_CONFIGS["llama"], "quantization": {"group_size": 16, "bits": 4}}),
+        supports({**TINY_CONFIGS["llama"], "quantization_config": {"quant_method": "gptq"}}),
+    ]
+    print(reasons)
+    assert all(isinstance(r, str) and r for r in reasons)
