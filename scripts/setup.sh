@@ -24,6 +24,11 @@ fi
 stamp=".venv/.exo-installed-$mode"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
+  if [ "$(uname -s)" = Linux ]; then
+    # The llama.cpp engine, built from source with ggml's RPC backend (splits across
+    # nodes): about 10 minutes once, then pip reuses the wheel it cached.
+    CMAKE_ARGS="-DGGML_RPC=ON" .venv/bin/python -m pip install --quiet "llama-cpp-python>=0.3.36"
+  fi
   .venv/bin/python -m pip install --quiet -e "$target"
   touch "$stamp"
   if [ "$mode" = test ]; then

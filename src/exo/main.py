@@ -2,7 +2,9 @@
 
 import argparse
 import asyncio
+import importlib.util
 import os
+import platform
 import socket
 import sys
 from pathlib import Path
@@ -16,6 +18,10 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was 
 
 from exo.node import Node, NodeConfig  # noqa: E402
 from exo.shared.cluster_secret import SECRET_ENV  # noqa: E402
+from exo.shared.types.instances import EngineKind  # noqa: E402
+
+# Until the llama.cpp engine passes the whole API suite, nodes run MLX unless told.
+DEFAULT_ENGINE = "mlx"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,12 +76,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seal every message between nodes with this secret; only nodes given the same "
         "one form a cluster (also EXO_CLUSTER_SECRET)",
     )
+    parser.add_argument(
+        "--engine",
+        choices=["auto", "mlx", "llamacpp"],
+        default=os.environ.get("EXO_ENGINE", DEFAULT_ENGINE),
+        help="what runs models on this node: MLX, llama.cpp, or auto (llama.cpp on Linux, "
+        f"MLX on Apple silicon); also EXO_ENGINE; default {DEFAULT_ENGINE}",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     if args.api_keys is None:
         args.api_keys = os.environ.get("EXO_API_KEY", "").split(",")
     args.api_keys = [key.strip() for key in args.api_keys if key.strip()]
     return args
+
+
+def resolve_engine(choice: str) -> EngineKind:
+    """auto: MLX on Apple silicon (its GPU); llama.cpp elsewhere, where MLX has only its
+    CPU backend, if llama-cpp-python is installed."""
+    if choice != "auto":
+        return EngineKind(choice)
+    if platform.system() == "Darwin" or importlib.util.find_spec("llama_cpp") is None:
+        return EngineKind.Mlx
+    return EngineKind.LlamaCpp
 
 
 def exo_home() -> Path:
@@ -128,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         auto_place=args.auto_place,
         api_keys=tuple(args.api_keys),
         cluster_secret=args.cluster_secret,
+        engine=resolve_engine(args.engine),
     )
     try:
         asyncio.run(Node(config).run())

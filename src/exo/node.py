@@ -24,6 +24,7 @@ from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.commands import Command
 from exo.shared.types.common import CommandId, NodeId, new_id
 from exo.shared.types.events import IndexedEvent
+from exo.shared.types.instances import EngineKind
 from exo.shared.types.state import State
 from exo.shared.types.text_generation import ChunkGenerated
 from exo.worker.worker import Worker
@@ -52,6 +53,8 @@ class NodeConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # --cluster-secret: every message between nodes sealed with it (routing/seal.py).
     cluster_secret: str | None = field(default=None, repr=False)
+    # --engine: what this node's runners run models with.
+    engine: EngineKind = EngineKind.Mlx
 
     @property
     def peer_token(self) -> str | None:
@@ -106,6 +109,7 @@ class Node:
                 config.verbose,
                 offline=config.offline,
                 peer_token=config.peer_token,
+                engine=config.engine,
             )
             if config.run_worker
             else None

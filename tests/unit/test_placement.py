@@ -33,7 +33,7 @@ from exo.shared.types.common import (
     RunnerId,
     TaskId,
 )
-from exo.shared.types.instances import Instance, ShardAssignments, Sharding
+from exo.shared.types.instances import EngineKind, Instance, ShardAssignments, Sharding
 from exo.shared.types.nodes import MemoryInfo, NodeInfo
 from exo.shared.types.runners import (
     RunnerLoading,
@@ -784,3 +784,32 @@ def test_a_hand_built_instance_with_a_port_that_is_no_number_is_refused():
     instance = place_instance(state, card)
     broken = instance.model_copy(update={"hosts": ["192.168.1.1:ring", "192.168.1.2:31001"]})
     assert instance_problem(state, broken) == "every entry of hosts must be host:port with a numeric port"
+
+
+def with_engines(state: State, **engines: str) -> State:
+    nodes = {
+        node_id: info.model_copy(update={"engine": EngineKind(engines[node_id])}) for node_id, info in state.nodes.items()
+    }
+    return state.model_copy(update={"nodes": nodes})
+
+
+def test_nodes_of_different_engines_share_no_instance_and_the_preview_says_why():
+    state = with_engines(fully_linked(a=3, b=3), a="mlx", b="llamacpp")
+    card = make_card(weights_gib=4)
+    with pytest.raises(PlacementError, match="a runs mlx, b runs llamacpp"):
+        place_instance(state, card, min_nodes=2)
+    previews = instance_previews(state, card, Sharding.Pipeline, min_nodes=2)
+    assert previews and all("different engines" in (preview.error or "") for preview in previews)
+
+
+def test_an_instance_on_llamacpp_nodes_runs_llamacpp_unless_it_cannot():
+    state = with_engines(fully_linked(a=30, b=30), a="llamacpp", b="llamacpp")
+    llama = make_card(weights_gib=1).model_copy(update={"family": "llama", "quantization": "4bit"})
+    assert place_instance(state, llama).engine == EngineKind.LlamaCpp
+    assert place_instance(state, llama, min_nodes=2).engine == EngineKind.LlamaCpp
+    # A tensor split, a family the converter lacks, a quantization with no ggml twin: MLX.
+    assert place_instance(state, llama, Sharding.Tensor, min_nodes=2).engine == EngineKind.Mlx
+    assert place_instance(state, llama.model_copy(update={"family": "gemma4"})).engine == EngineKind.Mlx
+    assert place_instance(state, llama.model_copy(update={"quantization": "3bit"})).engine == EngineKind.Mlx
+    # MLX nodes run MLX whatever the model.
+    assert place_instance(cluster(a=30), llama).engine == EngineKind.Mlx

@@ -11,6 +11,7 @@ more free memory.
 from collections.abc import Iterable, Iterator
 from itertools import combinations
 
+from exo.engine.llamacpp.support import instance_engine
 from exo.shared.models.families import family_facts
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.common import (
@@ -22,6 +23,7 @@ from exo.shared.types.common import (
     new_id,
 )
 from exo.shared.types.instances import (
+    EngineKind,
     Instance,
     InstanceMeta,
     ShardAssignments,
@@ -264,6 +266,7 @@ def _preview(
         reason
         for reason in (
             no_ring_reason,
+            _engine_reason(state, ring),
             _structure_reason(card, sharding, n),
             _memory_reason(card, context, ring, layer_ranges, needed, available, sharding),
         )
@@ -280,7 +283,17 @@ def _preview(
     if reasons:
         return preview.model_copy(update={"error": "; ".join(reasons)})
     instance = _build_instance(card, sharding, ring, layer_ranges, _ring_hosts(state, links, ring))
-    return preview.model_copy(update={"instance": instance})
+    engine = instance_engine(state.nodes[ring[0]].engine, card, sharding)
+    return preview.model_copy(update={"instance": instance.model_copy(update={"engine": engine})})
+
+
+def _engine_reason(state: State, ring: list[NodeId]) -> str | None:
+    """An instance's ranks run one engine: nodes that run different ones cannot share one."""
+    engines = {node_id: state.nodes[node_id].engine for node_id in ring}
+    if len(set(engines.values())) < 2:
+        return None
+    each = ", ".join(f"{node_id} runs {engine.value}" for node_id, engine in engines.items())
+    return f"the nodes run different engines ({each}); an instance runs on nodes of one engine"
 
 
 def _layer_ranges(card: ModelCard, sharding: Sharding, available: list[int]) -> list[tuple[int, int]]:
@@ -502,4 +515,8 @@ def instance_problem(state: State, instance: Instance) -> str | None:
         return f"a {len(shards)}-rank instance needs one host:port per rank in hosts"
     if any(not host.rpartition(":")[2].isdigit() for host in instance.hosts):
         return "every entry of hosts must be host:port with a numeric port"
+    if instance.engine == EngineKind.LlamaCpp:
+        others = [n for n in assignments.node_to_runner if state.nodes[n].engine != EngineKind.LlamaCpp]
+        if others:
+            return f"engine llamacpp, but node(s) {', '.join(others)} do not run it"
     return None

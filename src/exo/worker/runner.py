@@ -6,6 +6,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from loguru import logger
 from exo.engine.base import Engine
 from exo.shared.types.common import CommandId, RunnerId, TaskId
 from exo.shared.types.events import RunnerStatusUpdated, TaskStatusUpdated
-from exo.shared.types.instances import Instance
+from exo.shared.types.instances import EngineKind, Instance
 from exo.shared.types.runners import (
     RunnerConnected,
     RunnerConnecting,
@@ -43,12 +44,22 @@ from exo.worker.runner_protocol import (
 
 
 class Runner:
-    def __init__(self, conn: Connection, runner_id: RunnerId, instance: Instance, engine: Engine) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        runner_id: RunnerId,
+        instance: Instance,
+        engine: Engine,
+        fallback: Callable[[Path], Engine | None] | None = None,
+    ) -> None:
         self.conn = conn
         self.runner_id = runner_id
         self.instance = instance
         self.shard = instance.shard_assignments.runner_to_shard[runner_id]
         self.engine = engine
+        # Given the model dir before loading: another engine to run it with, if this
+        # one cannot (then connected here, as every rank of the instance does the same).
+        self.fallback = fallback
         # request id (the command id) -> task id, for the tasks being generated.
         self.active: dict[CommandId, TaskId] = {}
         self.ready = False
@@ -92,6 +103,10 @@ class Runner:
                 self.engine.connect(self.instance, self.shard)
                 self.set_status(RunnerConnected())
             case LoadModel(model_dir=model_dir):
+                other = self.fallback(Path(model_dir)) if self.fallback is not None else None
+                if other is not None:
+                    self.engine = other
+                    self.engine.connect(self.instance, self.shard)
                 self.set_status(
                     RunnerLoading(layers_loaded=0, total_layers=self.shard.end_layer - self.shard.start_layer)
                 )
@@ -175,6 +190,30 @@ def _exit_when_orphaned() -> None:
     threading.Thread(target=watch, name="orphan-watchdog", daemon=True).start()
 
 
+def _mlx_engine() -> Engine:
+    from exo.engine.mlx.engine import MlxEngine  # MLX is imported only in runners
+
+    return MlxEngine()
+
+
+def _llamacpp_engine() -> Engine:
+    from exo.engine.llamacpp.engine import LlamaCppEngine
+
+    return LlamaCppEngine()
+
+
+def _mlx_if_llamacpp_refuses(model_dir: Path) -> Engine | None:
+    """Placement judged the model by its card; its config.json may still say llama.cpp
+    cannot run it (a rope scaling, a quantization the card does not name)."""
+    from exo.engine.llamacpp.support import config_refusal
+
+    reason = config_refusal(model_dir)
+    if reason is None:
+        return None
+    logger.info(f"{model_dir.name} runs on MLX: {reason}")
+    return _mlx_engine()
+
+
 def runner_main(conn: Connection, runner_id: RunnerId, instance: Instance, verbose: bool) -> None:
     """Entry point of the spawned process."""
     # Ctrl-C and SIGTERM reach the whole process group; the supervisor shuts the runner
@@ -187,9 +226,10 @@ def runner_main(conn: Connection, runner_id: RunnerId, instance: Instance, verbo
     # The MLX engine uses transformers for tokenizers only; keep torch (which transformers
     # imports whenever it is installed) out: ~3 s of CPU per runner start.
     sys.modules.setdefault("torch", None)  # type: ignore[assignment]
-    from exo.engine.mlx.engine import MlxEngine  # MLX is imported only in runners
-
-    runner = Runner(conn, runner_id, instance, MlxEngine())
+    if instance.engine == EngineKind.LlamaCpp:
+        runner = Runner(conn, runner_id, instance, _llamacpp_engine(), _mlx_if_llamacpp_refuses)
+    else:
+        runner = Runner(conn, runner_id, instance, _mlx_engine())
     try:
         runner.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -45,7 +45,7 @@ from exo.shared.types.events import (
     TopologyEdgeDeleted,
     TopologyEdgeUpdated,
 )
-from exo.shared.types.instances import Instance
+from exo.shared.types.instances import EngineKind, Instance
 from exo.shared.types.nodes import MemoryInfo, NodeInfo
 from exo.shared.types.state import State
 from exo.shared.types.text_generation import ChunkGenerated
@@ -92,8 +92,10 @@ class Worker:
         verbose: bool,
         offline: bool = False,
         peer_token: str | None = None,
+        engine: EngineKind = EngineKind.Mlx,
     ) -> None:
         self.node_id = node_id
+        self.engine = engine
         # Presented on the other nodes' peer endpoints when their API needs a key.
         self.peer_token = peer_token
         self.router = router
@@ -158,7 +160,7 @@ class Worker:
             # Report again when the cluster has forgotten this node (it timed out, or its
             # first report went out before there was a master), or memory moved a lot.
             if known is None or due:
-                info = gather_node_info(self.node_id, self.exo_home, self.api_port)
+                info = gather_node_info(self.node_id, self.exo_home, self.api_port, self.engine)
                 moved = (
                     known is not None
                     and abs(info.memory.available_bytes - known.memory.available_bytes) > MEMORY_REPORT_THRESHOLD_BYTES
@@ -440,7 +442,9 @@ def _completed(model_dir: Path, layers: tuple[int, int] | None) -> DownloadCompl
     )
 
 
-def gather_node_info(node_id: NodeId, exo_home: Path, api_port: int) -> NodeInfo:
+def gather_node_info(
+    node_id: NodeId, exo_home: Path, api_port: int, engine: EngineKind = EngineKind.Mlx
+) -> NodeInfo:
     memory = psutil.virtual_memory()
     is_apple_silicon = platform.system() == "Darwin" and platform.machine() == "arm64"
     return NodeInfo(
@@ -448,6 +452,7 @@ def gather_node_info(node_id: NodeId, exo_home: Path, api_port: int) -> NodeInfo
         friendly_name=socket.gethostname(),
         os=f"{platform.system()} {platform.machine()}",
         backend="metal" if is_apple_silicon else "cpu",
+        engine=engine,
         cpu_count=psutil.cpu_count() or 1,
         memory=MemoryInfo(total_bytes=memory.total, available_bytes=memory.available),
         disk_available_bytes=download_free_bytes(exo_home),

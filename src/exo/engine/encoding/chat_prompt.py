@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from exo.engine.encoding import deepseek_v4, deepseek_v32
+from exo.engine.parsing.reasoning import repair_unmatched_end
 from exo.engine.reasoning_dialect import apply_reasoning_dialect, template_fields
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 
@@ -86,3 +87,27 @@ def render_prompt(tokenizer: Any, params: TextGenerationTaskParams, model_type: 
     return tokenizer.apply_chat_template(
         messages, tools=params.tools, add_generation_prompt=True, tokenize=False, **extra
     )
+
+
+def encode_prompt(
+    tokenizer: Any,
+    params: TextGenerationTaskParams,
+    model_type: str = "",
+    dialect: str = "none",
+    think_markers: tuple[str, str] | None = None,
+) -> tuple[list[int], str]:
+    """Prompt token ids and text, as every engine feeds them. A raw prompt (text or ids) is
+    used as it is. `tokenizer` has `encode(text, add_special_tokens=...)` and `decode`."""
+    if isinstance(params.prompt, list):
+        return list(params.prompt), tokenizer.decode(params.prompt)
+    if params.prompt is not None:
+        return tokenizer.encode(params.prompt, add_special_tokens=False), params.prompt
+    text = render_prompt(tokenizer, params, model_type, dialect)
+    # The template already wrote any BOS it wants.
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    if think_markers is not None:
+        # An answer sent back as "thought</think>answer" (its start was in the earlier
+        # generation prompt) would leave an end marker the model never saw opened.
+        start_ids, end_ids = (tokenizer.encode(marker, add_special_tokens=False) for marker in think_markers)
+        tokens = repair_unmatched_end(tokens, start_ids, end_ids)
+    return tokens, text

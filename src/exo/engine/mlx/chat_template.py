@@ -1,10 +1,11 @@
-"""Turning chat messages into prompt tokens with the model's own chat template."""
+"""Turning chat messages into prompt tokens with the model's own chat template
+(engine/encoding/chat_prompt.py), reading the think markers mlx-lm's tokenizer found."""
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from exo.engine.encoding import chat_prompt
 from exo.engine.encoding.chat_prompt import render_prompt
 from exo.engine.parsing.output import think_markers_for
-from exo.engine.parsing.reasoning import repair_unmatched_end
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 __all__ = ["detected_think_markers", "encode_prompt", "render_prompt"]
@@ -20,17 +21,5 @@ def encode_prompt(
     tokenizer: TokenizerWrapper, params: TextGenerationTaskParams, model_type: str = "", dialect: str = "none"
 ) -> tuple[list[int], str]:
     """Prompt token ids and text. A raw prompt (text or ids) is used as it is."""
-    if isinstance(params.prompt, list):
-        return list(params.prompt), tokenizer.decode(params.prompt)
-    if params.prompt is not None:
-        return tokenizer.encode(params.prompt, add_special_tokens=False), params.prompt
-    text = render_prompt(tokenizer, params, model_type, dialect)
-    # The template already wrote any BOS it wants.
-    tokens = tokenizer.encode(text, add_special_tokens=False)
     markers = detected_think_markers(tokenizer, model_type)
-    if markers is not None:
-        # An answer sent back as "thought</think>answer" (its start was in the earlier
-        # generation prompt) would leave an end marker the model never saw opened.
-        start_ids, end_ids = (tokenizer.encode(marker, add_special_tokens=False) for marker in markers)
-        tokens = repair_unmatched_end(tokens, start_ids, end_ids)
-    return tokens, text
+    return chat_prompt.encode_prompt(tokenizer, params, model_type, dialect, markers)

@@ -21,9 +21,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
-from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from pydantic import Field, TypeAdapter
 
+from exo.engine.answer import AnswerStream, output_parser_for
 from exo.engine.base import LayerProgress
 from exo.engine.mlx.batching import MAX_BATCH, DecodeBatch, can_batch
 from exo.engine.mlx.chat_template import detected_think_markers, encode_prompt
@@ -40,17 +41,13 @@ from exo.engine.mlx.vision import (
     load_vision,
     share_prompt,
 )
-from exo.engine.parsing.base import Parsed, StreamParser
-from exo.engine.parsing.output import make_output_parser, tool_format_for
-from exo.engine.parsing.reasoning import prompt_opens_reasoning
-from exo.engine.stop_sequences import StopSequenceFilter
+from exo.engine.parsing.output import tool_format_for
 from exo.shared.types.common import CommandId, FrozenModel, ModelId
 from exo.shared.types.instances import Instance
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
 from exo.shared.types.text_generation import (
     ChatMessage,
     ChunkGenerated,
-    FinishReason,
     GenerationStats,
     ImageInput,
     PrefillProgress,
@@ -143,9 +140,7 @@ class _Request:
     prompt: list[int]
     cache: list[Any]
     sampler: Any
-    detokenizer: StreamingDetokenizer
-    stop_filter: StopSequenceFilter
-    parser: StreamParser
+    answer: AnswerStream
     max_tokens: int
     submitted_at: float
     # What the prefix cache knows the prompt by (its images' hashes in their runs).
@@ -160,9 +155,6 @@ class _Request:
     tokens: Iterator[tuple[mx.array, mx.array]] | None = None
     in_batch: bool = False  # decoding in the engine's DecodeBatch
     first_token_at: float | None = None
-    generated: int = 0
-    reasoning_tokens: int = 0
-    made_tool_calls: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -327,9 +319,14 @@ class MlxEngine:
             prompt=prompt,
             cache=cache,
             sampler=self._sampler(params),
-            detokenizer=self.tokenizer.detokenizer,
-            stop_filter=StopSequenceFilter(params.stop),
-            parser=self._output_parser(params, prompt_text),
+            answer=AnswerStream(
+                op.request_id,
+                self.tokenizer.detokenizer,
+                output_parser_for(params, prompt_text, self.think_markers, self.tool_format),
+                params.stop,
+                self.tokenizer.eos_token_ids,
+                max_tokens,
+            ),
             max_tokens=max_tokens,
             submitted_at=time.perf_counter(),
             key=key,
@@ -350,20 +347,6 @@ class MlxEngine:
         if self.group is not None:
             vision = share_prompt(vision, self.group, generation_stream)
         return vision
-
-    def _output_parser(self, params: TextGenerationTaskParams, prompt_text: str) -> StreamParser:
-        markers = self.think_markers
-        # A raw prompt asks for the model's text as it is.
-        if params.prompt is not None:
-            return make_output_parser(None, None, None, False, None)
-        start, end = markers or (None, None)
-        opened = markers is not None and prompt_opens_reasoning(prompt_text, *markers)
-        tool_format = self.tool_format if params.tools and params.tool_choice != "none" else None
-        if self.tool_format in ("harmony", "dsml"):
-            # Harmony's channels are its whole output; DeepSeek writes a DSML block whether
-            # or not the request offered tools, and raw markup is no answer.
-            tool_format = self.tool_format
-        return make_output_parser(tool_format, start, end, opened, params.tools)
 
     def _logits_processors(self, params: TextGenerationTaskParams, max_tokens: int, grammar: str | None) -> list[Any]:
         assert self.tokenizer is not None
@@ -482,48 +465,12 @@ class MlxEngine:
         return self._token_chunk(request, token, logprobs)
 
     def _token_chunk(self, request: _Request, token: int, logprobs: mx.array) -> ChunkGenerated:
-        assert self.tokenizer is not None
-        command_id = request.request_id
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
-        request.generated += 1
         request.output.append(token)
-        finish_reason: FinishReason | None = None
-        if token in self.tokenizer.eos_token_ids:
-            finish_reason = "stop"
-        else:
-            request.detokenizer.add_token(token)
-            if request.generated >= request.max_tokens:
-                finish_reason = "length"
-        if finish_reason is not None:
-            request.detokenizer.finalize()
-        text, stopped = request.stop_filter.feed(request.detokenizer.last_segment)
-        if stopped:
-            finish_reason = "stop"
-        elif finish_reason is not None:
-            text += request.stop_filter.flush()
-        parsed = request.parser.feed(text) if text else Parsed()
-        if finish_reason is not None:
-            parsed.extend(request.parser.finish())
-        if parsed.reasoning and not parsed.text:
-            request.reasoning_tokens += 1
-        request.made_tool_calls |= bool(parsed.tool_calls)
-        if parsed.error is not None:
-            finish_reason = "error"
-        elif finish_reason == "stop" and request.made_tool_calls:
-            finish_reason = "tool_calls"
-        chunk = ChunkGenerated(
-            command_id=command_id,
-            text=parsed.text,
-            reasoning=parsed.reasoning,
-            tool_calls=parsed.tool_calls,
-            token_ids=[token],
-            logprobs=None if request.want_logprobs is None else [self._logprob(token, logprobs, request.want_logprobs)],
-            finish_reason=finish_reason,
-            stop_sequence=request.stop_filter.matched if finish_reason == "stop" else None,
-            error_message=parsed.error,
-        )
-        if finish_reason is None:
+        logprob = None if request.want_logprobs is None else self._logprob(token, logprobs, request.want_logprobs)
+        chunk = request.answer.feed(token, logprob)
+        if chunk.finish_reason is None:
             return chunk
         del self._requests[request.request_id]
         cache = self._batch.leave(request.request_id) if request.in_batch else request.cache
@@ -563,8 +510,8 @@ class MlxEngine:
     def _usage(self, request: _Request) -> Usage:
         return Usage(
             prompt_tokens=request.prompt_tokens,
-            completion_tokens=request.generated,
-            reasoning_tokens=request.reasoning_tokens,
+            completion_tokens=request.answer.generated,
+            reasoning_tokens=request.answer.reasoning_tokens,
             cached_tokens=request.cached_tokens,
         )
 
@@ -575,9 +522,9 @@ class MlxEngine:
         decode_seconds = max(now - first, 1e-9)
         return GenerationStats(
             prompt_tps=request.prompt_tokens / prefill_seconds,
-            generation_tps=(request.generated - 1) / decode_seconds if request.generated > 1 else 0.0,
+            generation_tps=(request.answer.generated - 1) / decode_seconds if request.answer.generated > 1 else 0.0,
             prompt_tokens=request.prompt_tokens,
-            generation_tokens=request.generated,
+            generation_tokens=request.answer.generated,
             peak_memory_bytes=mx.get_peak_memory(),
         )
 

@@ -15,6 +15,15 @@ class InstanceMeta(StrEnum):
     MlxRing = "MlxRing"
 
 
+class EngineKind(StrEnum):
+    """What runs a model: MLX (Apple silicon, and its CPU backend elsewhere) or
+    llama.cpp (ggml's CPU kernels). A node runs one; an instance records its own, which
+    is MLX where llama.cpp cannot run the model (engine/llamacpp/support.py)."""
+
+    Mlx = "mlx"
+    LlamaCpp = "llamacpp"
+
+
 class ShardAssignments(FrozenModel):
     model_id: ModelId
     runner_to_shard: dict[RunnerId, ShardMetadata]
@@ -26,8 +35,10 @@ class Instance(FrozenModel):
     sharding: Sharding
     instance_meta: InstanceMeta = InstanceMeta.MlxRing
     shard_assignments: ShardAssignments
-    # One "host:port" per rank for the MLX ring; empty for a single-rank instance.
+    # One "host:port" per rank for the MLX ring (llama.cpp: a follower's RPC server);
+    # empty for a single-rank instance.
     hosts: list[str] = []
+    engine: EngineKind = EngineKind.Mlx
 
     @property
     def model_id(self) -> ModelId:

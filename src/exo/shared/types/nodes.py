@@ -1,6 +1,7 @@
 """What a node tells the cluster about itself."""
 
 from exo.shared.types.common import FrozenModel, NodeId
+from exo.shared.types.instances import EngineKind
 from exo.shared.types.topology import NetworkInterface
 
 
@@ -14,6 +15,7 @@ class NodeInfo(FrozenModel):
     friendly_name: str
     os: str
     backend: str  # "cpu" or "metal": what MLX computes on
+    engine: EngineKind = EngineKind.Mlx  # what this node's runners run models with
     cpu_count: int
     memory: MemoryInfo
     disk_available_bytes: int

@@ -1,0 +1,192 @@
+"""llama.cpp through llama-cpp-python's ctypes bindings, as thin as exo needs: a model and
+one context holding several sequences, a batch exo fills from numpy (tokens of any
+sequences at once), the logits of each output row, and per-sequence KV removal and copy.
+The high-level `Llama` class serves one sequence and samples itself; exo samples."""
+
+import ctypes
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+from loguru import logger
+
+# What llama.cpp logs at load (every tensor, every layer) is noise on a node's log; its
+# errors still go there.
+_LOG_ERROR = 4
+
+
+@llama_cpp.llama_log_callback
+def _log(level: int, text: bytes | None, _user: ctypes.c_void_p) -> None:
+    if level >= _LOG_ERROR and text:
+        logger.error(f"llama.cpp: {text.decode(errors='replace').rstrip()}")
+
+
+_initialised = False
+
+
+def init_backend() -> None:
+    global _initialised
+    if not _initialised:
+        llama_cpp.llama_log_set(_log, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _initialised = True
+
+
+def threads() -> int:
+    """llama.cpp's threads: EXO_LLAMACPP_THREADS, else half the cores (llama-cpp-python's own
+    default: hyperthreads add nothing to decode, and spinning threads that lose their
+    core to another process stall every step)."""
+    return int(os.environ.get("EXO_LLAMACPP_THREADS", "0")) or max((os.cpu_count() or 1) // 2, 1)
+
+
+class Model:
+    """A GGUF loaded, with layers optionally offloaded to other devices (RPC servers):
+    llama.cpp keeps the first layers on this CPU and offloads the last `offload_layers`
+    to `devices`, split between them in the proportions of `split`."""
+
+    def __init__(
+        self,
+        gguf: Path,
+        on_progress: Callable[[float], None] | None = None,
+        devices: list[int] | None = None,
+        offload_layers: int = 0,
+        split: list[float] | None = None,
+    ) -> None:
+        init_backend()
+        params: Any = llama_cpp.llama_model_default_params()
+        params.use_mmap = True
+        self._keep: list[object] = []
+        if devices:
+            device_list = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+            split_array = (ctypes.c_float * llama_cpp.llama_max_devices())(*(split or [1.0] * len(devices)))
+            self._keep += [device_list, split_array]
+            params.devices = ctypes.cast(device_list, ctypes.c_void_p)
+            params.n_gpu_layers = offload_layers
+            params.split_mode = llama_cpp.LLAMA_SPLIT_MODE_LAYER
+            params.tensor_split = split_array
+        else:
+            params.n_gpu_layers = 0
+        if on_progress is not None:
+
+            def progress(value: float, _user: ctypes.c_void_p) -> bool:
+                on_progress(value)
+                return True
+
+            callback = llama_cpp.llama_progress_callback(progress)
+            self._keep.append(callback)
+            params.progress_callback = callback
+        model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), params)
+        if not model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        self.ptr: Any = model
+        self.vocab: Any = llama_cpp.llama_model_get_vocab(model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.n_layers = llama_cpp.llama_model_n_layer(model)
+
+    def close(self) -> None:
+        if self.ptr:
+            llama_cpp.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class Context:
+    """One llama.cpp context: `sequences` sequences sharing one KV buffer of `n_ctx`
+    cells (unified, so a sequence can copy another's prefix without copying data)."""
+
+    def __init__(self, model: Model, n_ctx: int, sequences: int, batch_tokens: int) -> None:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = batch_tokens
+        params.n_ubatch = min(batch_tokens, 512)
+        params.n_seq_max = sequences
+        params.n_threads = threads()
+        params.n_threads_batch = threads()
+        params.kv_unified = True
+        params.no_perf = True
+        context = llama_cpp.llama_init_from_model(model.ptr, params)
+        if not context:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.ptr: Any = context
+        memory = llama_cpp.llama_get_memory(context)
+        assert memory is not None, "a decoder context has a memory"
+        self.memory = memory
+        self.n_vocab = model.n_vocab
+        self.n_ctx = llama_cpp.llama_n_ctx(context)
+        self.batch = Batch(batch_tokens)
+
+    def decode(self) -> int:
+        """Runs the batch; 0 on success, 1 when the KV cache has no room for it."""
+        status = llama_cpp.llama_decode(self.ptr, self.batch.struct(self.batch.n))
+        if status < 0 or status > 1:
+            raise RuntimeError(f"llama_decode failed ({status})")
+        return status
+
+    def logits(self, index: int) -> np.ndarray:
+        """The logits of the batch's `index`-th token (one that asked for them): a view
+        of llama.cpp's buffer, valid until the next decode."""
+        pointer = llama_cpp.llama_get_logits_ith(self.ptr, index)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+
+    def remove(self, sequence: int, start: int = -1, end: int = -1) -> None:
+        """Forget positions [start, end) of a sequence (-1: from the start / to the end)."""
+        llama_cpp.llama_memory_seq_rm(self.memory, sequence, start, end)
+
+    def copy(self, source: int, target: int, end: int) -> None:
+        """Give `target` the KV of `source`'s positions [0, end) (shared cells, no copy)."""
+        llama_cpp.llama_memory_seq_cp(self.memory, source, target, 0, end)
+
+    def close(self) -> None:
+        if self.ptr:
+            llama_cpp.llama_free(self.ptr)
+            self.ptr = None
+
+
+class Batch:
+    """A llama_batch over numpy arrays, one sequence id per token: filling it is slice
+    assignment, not a ctypes call per field."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.output = np.zeros(capacity, dtype=np.int8)
+        base = self.seq.ctypes.data
+        int_pointer = ctypes.POINTER(ctypes.c_int32)
+        self._seq_pointers = (int_pointer * capacity)(
+            *(ctypes.cast(base + 4 * i, int_pointer) for i in range(capacity))
+        )
+        # Typed as llama-cpp-python declares it (arrays), filled with pointers.
+        self._struct: Any = llama_cpp.llama_batch()
+        self._struct.token = self.token.ctypes.data_as(int_pointer)
+        self._struct.embd = ctypes.POINTER(ctypes.c_float)()
+        self._struct.pos = self.pos.ctypes.data_as(int_pointer)
+        self._struct.n_seq_id = self.n_seq_id.ctypes.data_as(int_pointer)
+        self._struct.seq_id = self._seq_pointers
+        self._struct.logits = self.output.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, tokens: list[int], start_pos: int, sequence: int, output_last: bool) -> int:
+        """Appends tokens of one sequence at positions start_pos..; returns the index of
+        the last one (whose logits are output when `output_last`)."""
+        n, k = self.n, len(tokens)
+        assert n + k <= self.capacity, "batch overflow"
+        self.token[n : n + k] = tokens
+        self.pos[n : n + k] = np.arange(start_pos, start_pos + k, dtype=np.int32)
+        self.seq[n : n + k] = sequence
+        self.output[n : n + k] = 0
+        if output_last:
+            self.output[n + k - 1] = 1
+        self.n = n + k
+        return n + k - 1
+
+    def struct(self, n_tokens: int) -> llama_cpp.llama_batch:
+        self._struct.n_tokens = n_tokens
+        return self._struct

@@ -1,0 +1,140 @@
+"""The llama.cpp engine in this process (real llama.cpp, the tiny llama's GGUF):
+continuous batching gives each request exactly the tokens it gets alone, requests join
+and leave between steps, admission stops at MAX_BATCH, prompts prefill in chunks, and a
+finished request's sequence serves a later prompt sharing its start."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import exo.engine.llamacpp.engine as llamacpp_engine
+from exo.catalog.cards import card_from_model_dir
+from exo.engine.llamacpp.engine import LlamaCppEngine
+from exo.shared.types.common import CommandId, ModelId
+from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, TextGenerationTaskParams
+from tests.support.node import TINY_MODEL_ID
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaCppEngine]:
+    model_dir = tiny_models_dir / TINY_MODEL_ID.replace("/", "--")
+    card = card_from_model_dir(model_dir, "test/model")
+    shard = PipelineShardMetadata(
+        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers, n_layers=card.n_layers
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EXO_HOME", str(tmp_path_factory.mktemp("home")))
+        engine = LlamaCppEngine()
+        engine.load(model_dir, shard, lambda done, total: None)
+        engine.warm_up()
+        yield engine
+        engine.close()
+
+
+def params(text: str, max_tokens: int, **extra) -> TextGenerationTaskParams:
+    return TextGenerationTaskParams(
+        model=ModelId("m"),
+        messages=[ChatMessage(role="user", content=text)],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        **extra,
+    )
+
+
+def run(engine: LlamaCppEngine, requests: dict[str, TextGenerationTaskParams], join_at: dict[str, int] | None = None):
+    """Steps until every request finished; those in `join_at` are submitted at that step."""
+    join_at = join_at or {}
+    chunks: dict[str, list[ChunkGenerated]] = {name: [] for name in requests}
+    for name, request in requests.items():
+        if name not in join_at:
+            engine.submit(CommandId(name), request)
+    step = 0
+    while engine.has_work or any(at >= step for at in join_at.values()):
+        for name, at in join_at.items():
+            if at == step:
+                engine.submit(CommandId(name), requests[name])
+        for chunk in engine.step():
+            chunks[chunk.command_id].append(chunk)
+        step += 1
+    return chunks
+
+
+def tokens(chunks: list[ChunkGenerated]) -> list[int]:
+    return [token for chunk in chunks for token in chunk.token_ids]
+
+
+def logprobs(chunks: list[ChunkGenerated]) -> list[list[float]]:
+    return [[alt.logprob for alt in lp.top_logprobs] for chunk in chunks for lp in chunk.logprobs or []]
+
+
+REQUESTS = {
+    "short": params("the cat", 12, logprobs=True, top_logprobs=5),
+    "long": params("the quiet dog sleeps under the bright moon " * 6, 20, presence_penalty=1.5),
+    "biased": params("a node runs fast", 16, logit_bias={300: 4.0}),
+    "late": params("the sun is slow over the cluster", 10, frequency_penalty=0.7),
+}
+
+
+def test_batched_requests_get_the_tokens_each_gets_alone(engine: LlamaCppEngine):
+    alone = {name: run(engine, {name: request})[name] for name, request in REQUESTS.items()}
+    together = run(engine, REQUESTS, join_at={"biased": 3, "late": 5})
+    for name in REQUESTS:
+        assert tokens(together[name]) == tokens(alone[name]), name
+        assert together[name][-1].finish_reason is not None
+    got, expected = np.array(logprobs(together["short"])), np.array(logprobs(alone["short"]))
+    assert got.shape == expected.shape == (12, 5)
+    assert np.abs(got - expected).max() <= 1e-4
+
+
+def test_a_cancelled_request_leaves_and_the_others_are_unchanged(engine: LlamaCppEngine):
+    alone = run(engine, {"short": REQUESTS["short"]})["short"]
+    engine.submit(CommandId("short"), REQUESTS["short"])
+    engine.submit(CommandId("gone"), params("the dog", 50))
+    seen: list[ChunkGenerated] = []
+    for step in range(60):
+        if step == 4:
+            engine.cancel(CommandId("gone"))
+        for chunk in engine.step():
+            assert chunk.command_id == "short" or step < 4
+            if chunk.command_id == "short":
+                seen.append(chunk)
+        if not engine.has_work:
+            break
+    assert tokens(seen) == tokens(alone)
+
+
+def test_admission_stops_at_max_batch(engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(llamacpp_engine, "MAX_BATCH", 2)
+    for i in range(4):
+        engine.submit(CommandId(f"r{i}"), params(f"the node {i}", 5))
+    assert engine.request_counts == (2, 2)
+    stepped: set[str] = set()
+    for chunk in engine.step():
+        stepped.add(chunk.command_id)
+    assert stepped == {"r0", "r1"}
+    while engine.has_work:
+        engine.step()
+    assert engine.request_counts == (0, 0)
+
+
+def test_prompts_prefill_in_chunks_of_the_budget(engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(llamacpp_engine, "PREFILL_STEP", 16)
+    request = params("the bright cluster node runs over the quiet moon " * 5, 2)
+    chunks = run(engine, {"long": request})["long"]
+    progress = [chunk.prefill.processed_tokens for chunk in chunks if chunk.prefill is not None]
+    usage = chunks[-1].usage
+    assert usage is not None
+    steps = [b - a for a, b in zip([usage.cached_tokens, *progress], progress, strict=False)]
+    assert len(steps) > 2 and all(0 < step <= 16 for step in steps), steps
+    assert progress[-1] == usage.prompt_tokens
+
+
+def test_a_later_prompt_reuses_the_kv_of_an_earlier_one(engine: LlamaCppEngine):
+    first = run(engine, {"a": params("the moon sleeps over the slow cluster", 6)})["a"]
+    again = run(engine, {"b": params("the moon sleeps over the slow cluster", 6)})["b"]
+    usage = again[-1].usage
+    assert usage is not None and usage.cached_tokens == usage.prompt_tokens - 1
+    assert tokens(again) == tokens(first)
