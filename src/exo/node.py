@@ -153,6 +153,9 @@ class Node:
     def local_model_dir(self, model_id: str) -> Path | None:
         return self.catalog.local_model_dir(model_id)
 
+    def model_dir_problem(self, model_id: str) -> str | None:
+        return self.catalog.model_dir_problem(model_id)
+
     def open_chunks(self, command_id: CommandId) -> asyncio.Queue[ChunkGenerated]:
         return self.chunk_streams.open(command_id)
 

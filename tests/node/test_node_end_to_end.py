@@ -1,5 +1,6 @@
 """One real exo node, driven over HTTP with the official openai SDK."""
 
+import json
 import os
 import subprocess
 import sys
@@ -199,8 +200,9 @@ def test_an_instance_that_keeps_failing_is_retried_then_deleted_with_its_reason(
     models = tmp_path / "models"
     broken = models / "acme--broken"
     shutil.copytree(tiny_models_dir / "acme--tiny", broken)
-    weights = broken / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])  # a truncated download
+    # Weights that do not fit their config (a truncated file is refused before placement).
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
 
     node = start_node(tmp_path / "home", {"EXO_MODELS_DIRS": str(models)})
     try:

@@ -151,6 +151,9 @@ class FakeCluster:
     def local_model_dir(self, model_id: str) -> Path | None:
         return None
 
+    def model_dir_problem(self, model_id: str) -> str | None:
+        return None
+
     def open_chunks(self, command_id: CommandId) -> asyncio.Queue[ChunkGenerated]:
         queue: asyncio.Queue[ChunkGenerated] = asyncio.Queue()
         self._queues[command_id] = queue

@@ -33,6 +33,13 @@ AUTO_PLACE_PAUSE_SECONDS = 300
 
 def card_or_404(cluster: ClusterPort, model_id: str) -> ModelCard:
     card = cluster.cards().get(model_id)
+    if card is None and (problem := cluster.model_dir_problem(model_id)) is not None:
+        raise ApiError(
+            422,
+            f"model '{model_id}' is in this node's models dirs but cannot be used: {problem}",
+            code="unusable_model",
+            param="model_id",
+        )
     if card is None:
         raise ApiError(
             404, f"model '{model_id}' is not known to this cluster", code="model_not_found", param="model_id"

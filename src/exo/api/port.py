@@ -68,6 +68,11 @@ class ClusterPort(Protocol):
         """Models whose weights are in one of this node's models dirs."""
         ...
 
+    def model_dir_problem(self, model_id: str) -> str | None:
+        """Why a dir of this node's models dirs holding the model cannot be used (broken
+        config.json, a truncated weight file), if one is and it was left out."""
+        ...
+
     def local_model_dir(self, model_id: str) -> Path | None: ...
 
     def open_chunks(self, command_id: CommandId) -> asyncio.Queue[ChunkGenerated]:

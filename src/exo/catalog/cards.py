@@ -89,9 +89,43 @@ def card_from_config(config: dict, model_id: str, weight_bytes: int) -> ModelCar
     )
 
 
+def safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file cannot be loaded, read from its header alone (8 bytes of
+    length, a JSON table of tensors and their byte offsets), or None: a truncated
+    download or copy is found here, not by three runners failing to load it."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as file:
+            header_length = int.from_bytes(file.read(8), "little")
+            if size < 8 + header_length:
+                return f"{path.name} is truncated: its header wants {8 + header_length} bytes, the file has {size}"
+            header = json.loads(file.read(header_length))
+    except (OSError, ValueError) as error:
+        return f"{path.name} is not a safetensors file ({error})"
+    ends = [t["data_offsets"][1] for name, t in header.items() if name != "__metadata__" and isinstance(t, dict)]
+    needed = 8 + header_length + max(ends, default=0)
+    if size < needed:
+        return f"{path.name} is truncated: it holds {size} of its {needed} bytes"
+    return None
+
+
+def model_dir_problem(model_dir: Path) -> str | None:
+    """Why a complete-looking model dir cannot be served: a weight file cut short."""
+    for path in sorted(model_dir.glob("*.safetensors")):
+        problem = safetensors_problem(path)
+        if problem is not None:
+            return problem
+    return None
+
+
 def card_from_model_dir(model_dir: Path, model_id: str) -> ModelCard:
     """A card derived from config.json alone, for models exo has no built-in card for."""
-    config = json.loads((model_dir / "config.json").read_text())
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{model_dir / 'config.json'} is not valid JSON ({error})") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{model_dir / 'config.json'} is not a JSON object")
     weight_bytes = sum(path.stat().st_size for path in weight_files(model_dir) or [])
     try:
         return card_from_config(config, model_id, weight_bytes)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from exo.catalog.cards import builtin_cards, card_from_model_dir
+from exo.catalog.cards import builtin_cards, card_from_model_dir, model_dir_problem
 from exo.catalog.model_dirs import all_models_dirs, is_complete_model_dir
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.common import ModelId
@@ -23,11 +23,13 @@ WATCH_SECONDS = 1.0
 Stamp = tuple[tuple[str, int, tuple[tuple[str, int], ...]], ...]
 
 
-def _local_models(exo_home: Path) -> dict[str, tuple[Path, ModelCard]]:
+def _local_models(exo_home: Path) -> tuple[dict[str, tuple[Path, ModelCard]], dict[str, str]]:
     """Every complete `<org>--<name>` dir, by model id, with its card; the first models
-    dir holding a model wins, and a built-in card wins over a derived one."""
+    dir holding a model wins, and a built-in card wins over a derived one. Then, by model
+    id, why each dir that cannot be used was left out."""
     builtin = builtin_cards()
     models: dict[str, tuple[Path, ModelCard]] = {}
+    problems: dict[str, str] = {}
     for models_dir in all_models_dirs(exo_home):
         if not models_dir.is_dir():
             continue
@@ -35,19 +37,23 @@ def _local_models(exo_home: Path) -> dict[str, tuple[Path, ModelCard]]:
             if "--" not in model_dir.name or not is_complete_model_dir(model_dir):
                 continue
             model_id = model_dir.name.replace("--", "/", 1)
-            if model_id in models:
+            if model_id in models or model_id in problems:
                 continue
             try:
+                problem = model_dir_problem(model_dir)
+                if problem is not None:
+                    raise ValueError(problem)
                 models[model_id] = (model_dir, builtin.get(model_id) or card_from_model_dir(model_dir, model_id))
-            except ValueError as error:
+            except (ValueError, OSError) as error:
                 # One odd model dir must not hide every other local model.
                 logger.warning(f"skipping model dir {model_dir}: {error}")
-    return models
+                problems[model_id] = f"{model_dir}: {error}"
+    return models, problems
 
 
 def local_cards(exo_home: Path) -> dict[str, ModelCard]:
     """Cards for the models in the models dirs, read from disk now."""
-    return {model_id: card for model_id, (_, card) in _local_models(exo_home).items()}
+    return {model_id: card for model_id, (_, card) in _local_models(exo_home)[0].items()}
 
 
 def all_cards(exo_home: Path) -> dict[str, ModelCard]:
@@ -80,6 +86,7 @@ class _Snapshot:
     stamp: Stamp
     cards: dict[str, ModelCard]  # built-in and local
     local: dict[str, tuple[Path, ModelCard]]
+    problems: dict[str, str]  # model dirs left out, and why
 
 
 class Catalog:
@@ -93,9 +100,9 @@ class Catalog:
     def _scan(self) -> _Snapshot:
         # The stamp is taken first: a change during the scan shows at the next refresh.
         stamp = models_dirs_stamp(all_models_dirs(self.exo_home))
-        local = _local_models(self.exo_home)
+        local, problems = _local_models(self.exo_home)
         cards = {**builtin_cards(), **{model_id: card for model_id, (_, card) in local.items()}}
-        return _Snapshot(stamp, cards, local)
+        return _Snapshot(stamp, cards, local, problems)
 
     def cards(self, custom: Mapping[ModelId, ModelCard]) -> dict[str, ModelCard]:
         """Built-in, local and the given custom cards (custom ones win)."""
@@ -109,6 +116,10 @@ class Catalog:
         """Where a model's files are on this node, if they are."""
         local = self._snapshot.local.get(model_id)
         return local[0] if local is not None else None
+
+    def model_dir_problem(self, model_id: str) -> str | None:
+        """Why this node's models dir entry for the model was left out, if it was."""
+        return self._snapshot.problems.get(model_id)
 
     def refresh(self) -> None:
         """Rescan if a models dir changed. Blocking: stats every model dir."""
