@@ -20,6 +20,7 @@ from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic, Transport
 from exo.routing.seal import SealedTransport, peer_token, secret_fingerprint
 from exo.routing.zenoh_transport import ZenohTransport
+from exo.shared.image_store import images_dir
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.commands import Command
 from exo.shared.types.common import CommandId, NodeId, new_id
@@ -126,6 +127,7 @@ class Node:
             auto_place=self.config.auto_place,
             api_keys=self.config.api_keys,
             peer_token=self.config.peer_token,
+            images_dir=images_dir(self.config.exo_home),
         )
 
     @property

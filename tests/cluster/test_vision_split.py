@@ -11,6 +11,7 @@ boundaries fall inside the image's run (except for the 26B-A4B layout, whose ima
 are prefilled whole)."""
 
 import base64
+import hashlib
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,11 +64,37 @@ def _place_split(node, model: str, sharding: str) -> str:
 SPLITS = [(family, "Pipeline") for family in VLM_MODELS] + [("gemma4_vlm", "Tensor"), ("gemma4_moe_vlm", "Tensor")]
 
 
+def _user_turn(data: bytes) -> dict:
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    return {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}],
+    }
+
+
+def _first_token(node, model: str, messages: list[dict]):
+    sdk = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=240)
+    return sdk.chat.completions.create(
+        model=model, messages=messages, max_tokens=1, temperature=0, logprobs=True, top_logprobs=TOP
+    )
+
+
+def _diff(completion, logprobs: list[float]) -> float:
+    entry = completion.choices[0].logprobs.content[0]
+    reference = np.sort(np.array(logprobs))[::-1][:TOP]
+    served = np.array([alt.logprob for alt in entry.top_logprobs])
+    return float(np.abs(served - reference).max())
+
+
+def _delete(cluster: Cluster, instance_id: str) -> None:
+    assert cluster[0].delete(f"/instance/{instance_id}").status_code == 200
+    cluster[0].wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=60, what="instances gone")
+
+
 @pytest.mark.parametrize(("family", "sharding"), SPLITS)
 def test_split_logprobs_equal_transformers(cluster: Cluster, vlm_dir: Path, family: str, sharding: str) -> None:
     model = VLM_MODELS[family]
     instance = _place_split(cluster[0], model, sharding)
-    instance_id = instance["instanceId"]
     if family == "qwen3_vl":
         # A DeepStack level's layer on rank 1: its features must cross to it.
         starts = [shard["startLayer"] for shard in instance["shardAssignments"]["runnerToShard"].values()]
@@ -76,24 +103,46 @@ def test_split_logprobs_equal_transformers(cluster: Cluster, vlm_dir: Path, fami
     diffs = {}
     for index, (name, data) in enumerate(IMAGES.items()):
         ids, logprobs = vlm_reference(path, QUESTION, Image.open(io.BytesIO(data)))
-        url = "data:image/png;base64," + base64.b64encode(data).decode()
-        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
         # Asked of either node: the chunks cross the cluster to the one that was asked.
-        sdk = openai.OpenAI(base_url=f"{cluster[index % 2].url}/v1", api_key="unused", max_retries=0, timeout=240)
-        completion = sdk.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": content}],
-            max_tokens=1,
-            temperature=0,
-            logprobs=True,
-            top_logprobs=TOP,
-        )
-        entry = completion.choices[0].logprobs.content[0]
-        reference = np.sort(np.array(logprobs[0]))[::-1][:TOP]
-        served = np.array([alt.logprob for alt in entry.top_logprobs])
-        diffs[name] = float(np.abs(served - reference).max())
+        completion = _first_token(cluster[index % 2], model, [_user_turn(data)])
+        diffs[name] = _diff(completion, logprobs[0])
         assert completion.usage.prompt_tokens == len(ids)
     print(f"{family}, 2 nodes, {sharding}: max |logprob diff| per image: {diffs}")
-    assert cluster[0].delete(f"/instance/{instance_id}").status_code == 200
-    cluster[0].wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=60, what="instances gone")
+    _delete(cluster, instance["instanceId"])
     assert max(diffs.values()) <= TOLERANCE
+
+
+def test_images_cross_the_cluster_once_by_hash(cluster: Cluster, vlm_dir: Path) -> None:
+    """Asked of the node that does not hold rank 0: the task names the image by hash and
+    by the asked node, whose image store has the bytes; rank 0's node takes them from its
+    /peer-images once. No event (so no node's durable event log) holds the bytes, and the
+    same image again, then a follow-up turn repeating it, move none."""
+    model = VLM_MODELS["qwen3_vl"]
+    instance = _place_split(cluster[0], model, "Pipeline")
+    assignments = instance["shardAssignments"]
+    ranks = {
+        node: assignments["runnerToShard"][runner]["deviceRank"] for node, runner in assignments["nodeToRunner"].items()
+    }
+    by_id = {node.node_id(): node for node in cluster}
+    rank0 = by_id[min(ranks, key=lambda node: ranks[node])]
+    asked = next(node for node in cluster if node is not rank0)
+    data = noise_png(5)
+    sha256 = hashlib.sha256(data).hexdigest()
+    _, logprobs = vlm_reference(vlm_dir / model.replace("/", "--"), QUESTION, Image.open(io.BytesIO(data)))
+    first = _first_token(asked, model, [_user_turn(data)])
+    again = _first_token(asked, model, [_user_turn(data)])
+    answer = {"role": "assistant", "content": first.choices[0].message.content or "?"}
+    follow_up = _first_token(asked, model, [_user_turn(data), answer, _user_turn(data)])
+    diffs = {"first": _diff(first, logprobs[0]), "again": _diff(again, logprobs[0])}
+    transfers = rank0.logs().count(f"image {sha256[:12]}: {len(data)} bytes taken from node {asked.node_id()}")
+    print(f"asked node {asked.node_id()}, rank 0 on {rank0.node_id()}: diffs {diffs}, transfers {transfers}")
+    _delete(cluster, instance["instanceId"])
+    encoded = base64.b64encode(data).decode()
+    for node in cluster:
+        log = (node.home / "data" / "event_log.jsonl").read_text()
+        assert sha256 in log
+        assert encoded[:64] not in log and encoded[-64:] not in log, "the image's bytes are in an event"
+    assert max(diffs.values()) <= TOLERANCE
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert follow_up.usage.completion_tokens == 1
+    assert transfers == 1

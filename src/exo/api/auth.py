@@ -4,8 +4,9 @@ dashboard's static files (the page asks for the key and sends it on its own call
 
 A key comes as `Authorization: Bearer KEY` (OpenAI, Ollama clients, curl) or
 `x-api-key: KEY` (Anthropic). The peer endpoints other nodes call (link probes, the
-peer file hub) also take the cluster's peer token (routing/seal.py's `peer_token`);
-with a cluster secret they need it even when the node has no API key.
+peer file hub, the peer image store) also take the cluster's peer token
+(routing/seal.py's `peer_token`); with a cluster secret they need it even when the node
+has no API key.
 Keys are compared in constant time, and neither they nor the headers reach the log."""
 
 import hmac
@@ -14,10 +15,11 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from exo.api.errors import error_response
+from exo.shared.image_store import PEER_IMAGES_PREFIX
 from exo.worker.download.hub import PEER_HUB_PREFIX
 
 HEALTH_PATH = "/node_id"
-PEER_PREFIXES = (PEER_HUB_PREFIX, "/link_probe")
+PEER_PREFIXES = (PEER_HUB_PREFIX, PEER_IMAGES_PREFIX, "/link_probe")
 DASHBOARD = "/dashboard"
 
 

@@ -132,7 +132,7 @@ async def checked_params(
     token anyway, and the sampler refuses it)."""
     if params.prompt is None and not params.messages:
         raise ApiError(400, "the request has no messages to answer", code="invalid_request", param="messages")
-    params = await resolve_images(card, params)
+    params = await resolve_images(card, params, cluster.settings.images_dir, cluster.node_id)
     if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
         raise ApiError(400, f"seed must be between 0 and {MAX_SEED}", code="invalid_request", param="seed")
     tokenizer = local_tokenizer(cluster, params.model)

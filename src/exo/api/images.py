@@ -1,8 +1,10 @@
 """Images in a request: every adapter hands them on as Chat Completions `image_url` parts
 (a data URL, or an http(s) URL this node fetches). Here each becomes bytes checked to be an
 image within the limits, named by its sha256: the part turns into {"type": "image",
-"sha256": ...} and the bytes travel once in the task's `images`, however often the
-messages show the image. Anything else (audio, files), images for a model without vision,
+"sha256": ...} and the task's `images` lists each image once, however often the messages
+show it. The bytes go into this node's image store (shared/image_store.py) and the task
+names this node as their holder: the worker that runs the task takes them from here
+once (without a store, in-process tests, they ride in the task). Anything else (audio, files), images for a model without vision,
 and images that are broken, too large, too many or unreachable are a 400."""
 
 import asyncio
@@ -12,12 +14,15 @@ import hashlib
 import io
 import os
 import warnings
+from pathlib import Path
 
 import httpx
 from PIL import Image
 
 from exo.api.errors import ApiError
+from exo.shared.image_store import put_image
 from exo.shared.models.model_cards import ModelCard
+from exo.shared.types.common import NodeId
 from exo.shared.types.text_generation import ChatMessage, ImageInput, TextGenerationTaskParams
 
 # Content parts that carry media rather than text, as the adapters pass them on.
@@ -81,7 +86,7 @@ async def _fetch(client: httpx.AsyncClient, url: str, number: int, limit: int) -
         raise _bad_image(f"image {number}: fetching {url} failed: {error}") from error
 
 
-def _checked(data: bytes, number: int) -> ImageInput:
+def _checked(data: bytes, number: int, store: Path | None, holder: NodeId) -> ImageInput:
     """The bytes as an image: decodable, within the byte and pixel limits."""
     if len(data) > max_image_bytes():
         raise _bad_image(f"image {number} is {len(data)} bytes, over the limit of {max_image_bytes()}", "image_too_large")
@@ -97,13 +102,17 @@ def _checked(data: bytes, number: int) -> ImageInput:
         raise _bad_image(
             f"image {number} is {size[0]}x{size[1]} pixels, over the limit of {max_image_pixels()}", "image_too_large"
         )
-    return ImageInput(
+    image = ImageInput(
         sha256=hashlib.sha256(data).hexdigest(),
         media_type=Image.MIME.get(kind, "application/octet-stream"),
-        data_base64=base64.b64encode(data).decode(),
         width=size[0],
         height=size[1],
+        size_bytes=len(data),
     )
+    if store is None:
+        return image.model_copy(update={"data_base64": base64.b64encode(data).decode()})
+    put_image(store, data)
+    return image.model_copy(update={"holder": holder})
 
 
 def _media_kinds(params: TextGenerationTaskParams) -> set[str]:
@@ -116,8 +125,11 @@ def _media_kinds(params: TextGenerationTaskParams) -> set[str]:
     }
 
 
-async def resolve_images(card: ModelCard, params: TextGenerationTaskParams) -> TextGenerationTaskParams:
-    """The request with its images named by hash and carried once in `images`."""
+async def resolve_images(
+    card: ModelCard, params: TextGenerationTaskParams, store: Path | None, holder: NodeId
+) -> TextGenerationTaskParams:
+    """The request with its images named by hash, listed once in `images`, their bytes
+    in `store` (this node's, `holder`)."""
     kinds = _media_kinds(params)
     if not kinds:
         return params
@@ -146,7 +158,8 @@ async def resolve_images(card: ModelCard, params: TextGenerationTaskParams) -> T
                 count += 1
                 if count > max_images():
                     raise _bad_image(f"the request has more than {max_images()} images", "too_many_images")
-                image = _checked(await _image_bytes(client, _part_url(part), count), count)
+                data = await _image_bytes(client, _part_url(part), count)
+                image = await asyncio.to_thread(_checked, data, count, store, holder)
                 found.setdefault(image.sha256, image)
                 parts.append({"type": "image", "sha256": image.sha256})
             messages.append(message.model_copy(update={"content": parts}))

@@ -32,6 +32,8 @@ class ApiSettings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # What the other nodes of the cluster present on the peer endpoints.
     peer_token: str | None = field(default=None, repr=False)
+    # This node's image store (shared/image_store.py); None: images ride in the task.
+    images_dir: Path | None = None
 
 
 class ClusterPort(Protocol):

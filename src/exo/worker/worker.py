@@ -25,6 +25,7 @@ from exo.catalog.model_dirs import (
 )
 from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
+from exo.shared.image_store import images_dir
 from exo.shared.queries import hub_fetcher, layers_needed
 from exo.shared.types.commands import DeleteInstance, MoveRingPort
 from exo.shared.types.common import ModelId, NodeId, RunnerId, TaskId
@@ -53,6 +54,7 @@ from exo.worker.download import DownloadError, download_model
 from exo.worker.download.hub import PEER_HUB_PREFIX
 from exo.worker.download.progress_log import ConsoleProgress, eta_seconds
 from exo.worker.download.verify import PARTIAL_SUFFIX
+from exo.worker.images import peer_api, with_image_bytes
 from exo.worker.link_probes import PROBE_TIMEOUT_SECONDS, local_interfaces, probe_peer, worth_reporting
 from exo.worker.planner import (
     CancelModelDownload,
@@ -258,7 +260,12 @@ class Worker:
                 self.supervisors[runner_id].send(instruction)
             case ForwardTask(runner_id=runner_id, task_id=task_id):
                 self.forwarded[runner_id].add(task_id)
-                self.supervisors[runner_id].send(SubmitTask(task=state.tasks[task_id]))
+                task = await with_image_bytes(
+                    state.tasks[task_id], images_dir(self.exo_home), state, self.node_id, self.peer_token
+                )
+                # Taking an image from a peer may outlast the runner.
+                if runner_id in self.supervisors:
+                    self.supervisors[runner_id].send(SubmitTask(task=task))
             case CancelTask(runner_id=runner_id, task_id=task_id):
                 self.supervisors[runner_id].cancel(task_id)
             case StartModelDownload(model_id=model_id, layers=layers):
@@ -408,11 +415,8 @@ class Worker:
 
     def _peer_hub(self, state: State, node_id: NodeId) -> str | None:
         """Another node's peer hub endpoint, if this node has a link to it."""
-        connection = state.topology.connection(self.node_id, node_id)
-        node = state.nodes.get(node_id)
-        if node_id == self.node_id or connection is None or node is None:
-            return None
-        return f"http://{connection.sink_ip}:{node.api_port}{PEER_HUB_PREFIX}"
+        base = peer_api(state, self.node_id, node_id)
+        return None if base is None else f"{base}{PEER_HUB_PREFIX}"
 
     def _report_download(self, model_id: ModelId, progress: DownloadProgress) -> None:
         self.emit(NodeDownloadProgress(node_id=self.node_id, model_id=model_id, progress=progress))

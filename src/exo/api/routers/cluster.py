@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from exo.api import peer_files
+from exo.api import peer_files, peer_images
 from exo.api.errors import ApiError
 from exo.api.instance_watch import watch_instances
 from exo.api.placing import card_or_404, place_model_when_settled, planned_instance
@@ -25,6 +25,7 @@ from exo.worker import download
 
 router = APIRouter()
 router.include_router(peer_files.router)
+router.include_router(peer_images.router)
 
 
 class PlaceInstanceRequest(BaseModel):

@@ -253,6 +253,9 @@ class MlxEngine:
         grammar = grammar_for(params.response_format)
         if params.images and self.vision is None:
             raise ValueError(f"{params.model} takes no images")
+        missing = [image.sha256[:12] for image in params.images if not image.data_base64]
+        if missing:
+            raise ValueError(f"the bytes of image {', '.join(missing)} did not reach this node")
         # Every rank seeds its sampler the same way, so all ranks draw the same tokens.
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         if self.group is not None and params.images:

@@ -5,7 +5,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from exo.shared.types.common import CommandId, FrozenModel, ModelId
+from exo.shared.types.common import CommandId, FrozenModel, ModelId, NodeId
 
 FinishReason = Literal["stop", "length", "tool_calls", "error", "cancelled"]
 
@@ -22,14 +22,19 @@ class ChatMessage(FrozenModel):
 
 class ImageInput(FrozenModel):
     """An image a request carries, once however often its messages show it: message
-    parts refer to it by content hash as {"type": "image", "sha256": ...}."""
+    parts refer to it by content hash as {"type": "image", "sha256": ...}. In a task the
+    bytes are not here: `holder` names the node whose image store has them
+    (shared/image_store.py); the worker that runs the task fills `data_base64` in for its
+    runner alone."""
 
     sha256: str
     media_type: str
-    data_base64: str
+    data_base64: str = ""
     # Pixels, for counting the prompt's tokens before the engine processes the image.
     width: int = 0
     height: int = 0
+    size_bytes: int = 0
+    holder: NodeId | None = None
 
     @property
     def data(self) -> bytes:
