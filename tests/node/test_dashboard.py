@@ -97,6 +97,9 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
     assert node["nodeId"] == node_id and node["isMaster"]
     assert node["memoryTotal"] == state["nodes"][node_id]["memory"]["totalBytes"] > 0
     assert 0 <= node["memoryPercent"] <= 100
+    info = state["nodes"][node_id]
+    engine = "llama.cpp" if info.get("engine") == "llamacpp" else "MLX"
+    assert node["engine"] == f"{engine} {info['backend']}"
     assert shown["links"] == []
     name = state["nodes"][node_id]["friendlyName"]
     assert node["name"] == name
@@ -111,6 +114,7 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
     [instance] = shown["instances"]
     assert instance["instanceId"] == instance_id and instance["modelId"] == TINY_MODEL_ID
     assert instance["serving"] and instance["sharding"] == "Pipeline"
+    assert instance["engine"] == ("llama.cpp" if state["instances"][instance_id].get("engine") == "llamacpp" else "MLX")
     [rank] = instance["ranks"]
     n_layers = state["instances"][instance_id]["shardAssignments"]["runnerToShard"]
     n_layers = next(iter(n_layers.values()))["nLayers"]

@@ -15,20 +15,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, ConsoleMessage, Page, Playwright, expect, sync_playwright
+from playwright.sync_api import Browser, ConsoleMessage, Page, Playwright, Route, expect, sync_playwright
 
 from exo.devtools.scripted_families import FAMILY_SCRIPTS, GET_WEATHER_TOOL
 from exo.devtools.scripted_models import make_scripted_model
 from exo.devtools.tiny_models import make_tiny_llama
+from exo.devtools.tiny_vlms import make_tiny_vlm
 from tests.node.test_download import MB, make_sharded_model
 from tests.support.cluster import Cluster, loopback_cluster
 from tests.support.fake_hub import FakeHub, running_fake_hub
+from tests.support.images import noise_png
 from tests.support.node import TINY_MODEL_ID, ExoNode, running_node
 
 CHROMIUM = "/usr/bin/chromium"
 THINKER = "scripted/qwen3-thinker"
 SCRIPT = FAMILY_SCRIPTS["qwen3"]
 HUB_MODEL = "acme/hub-model"
+VLM = "acme/qwen2.5-vl-tiny"
 PAGES = ("cluster", "models", "downloads", "chat", "integrations")
 SIZES = {"desktop": (1440, 900), "phone": (390, 844)}
 SHOTS = Path(os.environ.get("EXO_TEST_ARTIFACTS", "/tmp/exo-dashboard-shots")) / "dashboard"
@@ -47,12 +50,33 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, hub: FakeHub) -> Iterator[
     models = tmp_path_factory.mktemp("models")
     make_scripted_model(models / THINKER.replace("/", "--"), "qwen3", SCRIPT.script)
     make_tiny_llama(models / TINY_MODEL_ID.replace("/", "--"))
+    make_tiny_vlm(models / VLM.replace("/", "--"), "qwen2_5_vl")
     env = {"EXO_MODELS_DIRS": str(models), "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"}
     with loopback_cluster(2, tmp_path_factory.mktemp("cluster"), env, offline=False) as nodes:
+        nodes.models = models
         nodes[0].wait_for_state(
             lambda s: len(s["nodes"]) == 2 and len(s["topology"]["connections"]) >= 2, what="2 linked nodes"
         )
+        # Loading while the first tests run: the models later tests chat with.
+        for model in (VLM, TINY_MODEL_ID):
+            assert nodes[0].post("/place_instance", json={"model_id": model}).status_code == 200
         yield nodes
+
+
+def wait_serving(node: ExoNode, model_id: str) -> str:
+    """The id of an instance of the model whose runners all serve."""
+
+    def serving(state: dict) -> str | None:
+        for instance_id, instance in state["instances"].items():
+            runners = instance["shardAssignments"]["runnerToShard"]
+            kinds = [state["runners"].get(runner, {}).get("kind") for runner in runners]
+            if instance["shardAssignments"]["modelId"] == model_id and all(
+                kind in ("RunnerReady", "RunnerRunning") for kind in kinds
+            ):
+                return instance_id
+        return None
+
+    return serving(node.wait_for_state(lambda s: serving(s) is not None, timeout=120, what=f"{model_id} serving"))
 
 
 @pytest.fixture(scope="module")
@@ -205,12 +229,44 @@ def test_a_streamed_chat_shows_thinking_apart_and_sends_it_back(page: Page) -> N
     assert [c["title"] for c in stored] == ["Paris weather"] and len(stored[0]["messages"]) == 4
 
 
+def test_images_are_offered_for_a_vision_model_and_sent_as_parts(page: Page, cluster: Cluster) -> None:
+    vlm_instance = wait_serving(cluster[0], VLM)
+    goto(page, "chat")
+    page.locator("#new-chat").click()
+    expect(page.locator("#chat-model")).to_contain_text(VLM)
+    page.locator("#chat-model").select_option(VLM)
+    expect(page.locator("#attach-label")).to_be_visible()
+    page.locator("#attach-input").set_input_files(
+        files=[{"name": "noise.png", "mimeType": "image/png", "buffer": noise_png(1)}]
+    )
+    expect(page.locator("#attachments img")).to_have_count(1)
+    page.evaluate("document.getElementById('chat-tools').value = ''")
+    page.locator("#chat-input").fill("what is in the picture")
+    with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
+        page.locator("#send-button").click()
+    [message] = sent.value.post_data_json["messages"]
+    assert message["content"][0] == {"type": "text", "text": "what is in the picture"}
+    assert message["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+    reply = page.locator(".message.assistant").last
+    expect(reply.locator(".stats")).to_contain_text("tokens", timeout=30000)
+    expect(reply.locator(".error")).to_have_count(0)
+    expect(page.locator(".message.user img.thumb")).to_have_count(1)
+    # Back to a text-only model: no image control, and nothing left attached.
+    page.locator("#chat-model").select_option(THINKER)
+    expect(page.locator("#attach-label")).to_be_hidden()
+    expect(page.locator("#attachments img")).to_have_count(0)
+    node = cluster[0]
+    assert node.delete(f"/instance/{vlm_instance}").status_code == 200
+    node.wait_for_state(lambda s: vlm_instance not in s["instances"], what="the VLM's instance gone")
+
+
 def test_the_integrations_configs_point_here_and_mark_interleaved_per_dialect(page: Page, cluster: Cluster) -> None:
     node = cluster[0]
-    node.place(TINY_MODEL_ID)
+    wait_serving(node, TINY_MODEL_ID)
     goto(page, "integrations")
     opencode_block = page.locator("#integration-opencode")
     expect(opencode_block).to_contain_text(TINY_MODEL_ID)
+    expect(opencode_block).not_to_contain_text(VLM)  # its instance went in the test before
     opencode = json.loads(opencode_block.locator("pre").inner_text())
     provider = opencode["provider"]["exo"]
     assert provider["options"]["baseURL"] == f"{node.url}/v1"
@@ -249,6 +305,35 @@ def test_the_integrations_configs_point_here_and_mark_interleaved_per_dialect(pa
         assert all(entry == expected for entry in entries), (dialect, entries)
 
 
+def test_stop_ends_a_streaming_reply(page: Page, cluster: Cluster) -> None:
+    """The tiny llama with its EOS banned (added to the page's request on its way out)
+    writes until its context is full unless stopped."""
+    eos = json.loads((cluster.models / TINY_MODEL_ID.replace("/", "--") / "config.json").read_text())["eos_token_id"]
+
+    def without_eos(route: Route) -> None:
+        body = route.request.post_data_json
+        route.continue_(post_data=json.dumps({**body, "logit_bias": {str(eos): -100}}))
+
+    page.route("**/v1/chat/completions", without_eos)
+    goto(page, "chat")
+    page.locator("#new-chat").click()
+    page.locator("#chat-model").select_option(TINY_MODEL_ID)
+    page.locator("#chat-input").fill("hello")
+    page.locator("#send-button").click()
+    stop = page.locator("#stop-button")
+    expect(stop).to_be_enabled()
+    expect(page.locator("#send-button")).to_be_disabled()
+    expect(page.locator(".message.assistant.live .content")).not_to_be_empty(timeout=20000)
+    stop.click()
+    reply = page.locator(".message.assistant").last
+    expect(reply.locator(".stats")).to_contain_text("stopped")
+    expect(stop).to_be_disabled()
+    expect(page.locator("#send-button")).to_be_enabled()
+    page.unroute("**/v1/chat/completions")
+    # The page left, so the request's task ends on the cluster.
+    cluster[0].wait_for_state(lambda s: s["tasks"] == {}, timeout=15, what="no task left")
+
+
 def test_a_hub_download_shows_progress_and_is_cancelled_resumed_and_deleted(page: Page, hub: FakeHub) -> None:
     goto(page, "models")
     page.locator("#hub-query").fill("hub-model")
@@ -267,6 +352,7 @@ def test_a_hub_download_shows_progress_and_is_cancelled_resumed_and_deleted(page
     hub.throttle_bytes_per_second = None
     row.get_by_role("button", name="Resume").click()
     expect(row.locator(".dl-text")).to_contain_text("downloaded", timeout=30000)
+    page.once("dialog", lambda dialog: dialog.accept())
     row.get_by_role("button", name="Delete").click()
     expect(row).to_have_count(0, timeout=15000)
 
@@ -283,7 +369,8 @@ def test_every_page_at_desktop_and_phone_size_fits_with_no_console_error(
             if name == "models":
                 expect(page.locator(".model-row .fit.yes").first).to_be_visible(timeout=15000)
             if name == "chat":
-                expect(page.locator(".message.assistant").first).to_be_visible()
+                page.locator("#conversation-list button.conversation", has_text="Paris weather").click()
+                expect(page.locator(".message.assistant .thinking").first).to_be_visible()
             page.wait_for_timeout(300)
             page.screenshot(path=str(SHOTS / f"{name}-{size}.png"))
             if name != "models":  # the catalog runs to many screens

@@ -107,7 +107,7 @@ function instanceCard(instance) {
     el(
       "div",
       { class: "muted" },
-      `${instance.sharding} · ${instance.ranks.length} rank${instance.ranks.length === 1 ? "" : "s"} · ` +
+      `${instance.engine} · ${instance.sharding} · ${instance.ranks.length} rank${instance.ranks.length === 1 ? "" : "s"} · ` +
         `${instance.activeRequests} active request${instance.activeRequests === 1 ? "" : "s"}`,
     ),
     ...instance.ranks.map((rank) =>
@@ -168,6 +168,7 @@ function renderCluster(state) {
 }
 
 async function downloadAction(row, action) {
+  if (action === "delete" && !window.confirm(`Delete the files of ${row.modelId} on ${row.node}?`)) return;
   const body = JSON.stringify({ model_id: row.modelId, node_id: row.nodeId });
   const json = { "Content-Type": "application/json" };
   const response =

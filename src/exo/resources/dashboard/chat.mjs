@@ -281,7 +281,11 @@ export function renderChat(store) {
   const wanted = current()?.model;
   renderInto(select, serving, () => serving.map((id) => el("option", { value: id }, id)));
   if (wanted && serving.includes(wanted) && select.value !== wanted && !select.dataset.touched) select.value = wanted;
-  $("chat-model-note").textContent = serving.length ? "" : "No model serves yet: place one on the Models page.";
+  $("chat-model-note").textContent = !serving.length
+    ? "No model serves yet: place one on the Models page."
+    : wanted && !serving.includes(wanted)
+      ? `${wanted} no longer serves: the next reply comes from the model picked here.`
+      : "";
   updateControls(store);
 }
 

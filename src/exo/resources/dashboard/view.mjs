@@ -26,6 +26,11 @@ export function nodeName(state, nodeId) {
   return namesakes.length > 1 ? `${info.friendlyName} (${shortId(nodeId)})` : info.friendlyName;
 }
 
+// "mlx" or "llamacpp" (NodeInfo's and Instance's `engine`; MLX where State has none).
+export function engineName(engine) {
+  return engine === "llamacpp" ? "llama.cpp" : "MLX";
+}
+
 // One row per node: who it is, whether it is the master, and how full its memory is.
 export function nodeRows(state) {
   return Object.values(state.nodes)
@@ -37,7 +42,7 @@ export function nodeRows(state) {
         name: nodeName(state, info.nodeId),
         isMaster: info.nodeId === state.masterNodeId,
         backend: info.backend,
-        engine: `MLX ${info.backend}`,
+        engine: `${engineName(info.engine)} ${info.backend}`,
         os: info.os,
         cpuCount: info.cpuCount,
         memoryUsed: used,
@@ -103,6 +108,7 @@ export function instanceRows(state) {
       instanceId: instance.instanceId,
       modelId: assignments.modelId,
       sharding: instance.sharding,
+      engine: engineName(instance.engine),
       ranks,
       serving: ranks.every((r) => r.serving),
       activeRequests: tasks.filter((t) => t.status === "Running" || t.status === "Pending").length,
