@@ -51,7 +51,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, hub: FakeHub) -> Iterator[
     make_scripted_model(models / THINKER.replace("/", "--"), "qwen3", SCRIPT.script)
     make_tiny_llama(models / TINY_MODEL_ID.replace("/", "--"))
     make_tiny_vlm(models / VLM.replace("/", "--"), "qwen2_5_vl")
-    env = {"EXO_MODELS_DIRS": str(models), "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = {
+        "EXO_MODELS_DIRS": str(models),
+        "HF_ENDPOINT": hub.endpoint,
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        # Prompts prefill in steps of 64 tokens, so the chat has progress to show.
+        "EXO_PREFILL_STEP": "64",
+    }
     with loopback_cluster(2, tmp_path_factory.mktemp("cluster"), env, offline=False) as nodes:
         nodes.models = models
         nodes[0].wait_for_state(
@@ -177,6 +183,10 @@ def test_a_streamed_chat_shows_thinking_apart_and_sends_it_back(page: Page) -> N
             const stop = document.getElementById("stop-button");
             window.stopStates = [stop.disabled];
             new MutationObserver(() => window.stopStates.push(stop.disabled)).observe(stop, { attributes: true });
+            window.prefillShown = [];
+            new MutationObserver(() => {
+              for (const line of document.querySelectorAll("#transcript .prefill")) window.prefillShown.push(line.textContent);
+            }).observe(document.getElementById("transcript"), { childList: true, subtree: true });
         }"""
     )
     page.locator("#new-chat").click()
@@ -197,6 +207,10 @@ def test_a_streamed_chat_shows_thinking_apart_and_sends_it_back(page: Page) -> N
     expect(reply.locator(".content")).to_have_text(SCRIPT.content.strip())
     assert SCRIPT.reasoning.strip() not in reply.locator(".content").inner_text()
     expect(reply.locator(".tool-call")).to_contain_text('get_weather({"city": "Paris"})')
+    prefill = page.evaluate("window.prefillShown")
+    assert any(re.fullmatch(r"reading the prompt: (\d+)/(\d+) tokens", line) for line in prefill), prefill
+    done, total = map(int, re.findall(r"\d+", prefill[0]))
+    assert 0 < done < total, prefill
     states = page.evaluate("window.stopStates")
     assert states[0] is True and False in states and states[-1] is True, states
 
@@ -355,6 +369,12 @@ def test_a_hub_download_shows_progress_and_is_cancelled_resumed_and_deleted(page
     page.once("dialog", lambda dialog: dialog.accept())
     row.get_by_role("button", name="Delete").click()
     expect(row).to_have_count(0, timeout=15000)
+    # No files left anywhere: the card added from the hub can go too.
+    goto(page, "models")
+    page.locator("#model-search").fill(HUB_MODEL)
+    card = page.locator(f'.model-row[data-model="{HUB_MODEL}"]')
+    card.get_by_role("button", name="Remove").click()
+    expect(card).to_have_count(0, timeout=15000)
 
 
 def test_every_page_at_desktop_and_phone_size_fits_with_no_console_error(
@@ -371,6 +391,7 @@ def test_every_page_at_desktop_and_phone_size_fits_with_no_console_error(
             if name == "chat":
                 page.locator("#conversation-list button.conversation", has_text="Paris weather").click()
                 expect(page.locator(".message.assistant .thinking").first).to_be_visible()
+                expect(page.locator("#chat-model")).to_have_value(THINKER)  # the conversation's own
             page.wait_for_timeout(300)
             page.screenshot(path=str(SHOTS / f"{name}-{size}.png"))
             if name != "models":  # the catalog runs to many screens

@@ -40,7 +40,10 @@ function save() {
 function select(id) {
   currentId = id;
   // The conversation's own model again, until the user picks another.
-  delete $("chat-model").dataset.touched;
+  const picker = $("chat-model");
+  delete picker.dataset.touched;
+  const wanted = current()?.model;
+  if (wanted && [...picker.options].some((option) => option.value === wanted)) picker.value = wanted;
   save();
   renderTranscript();
   renderList();

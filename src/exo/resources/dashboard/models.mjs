@@ -80,6 +80,13 @@ async function startDownload(store, modelId, nodeId) {
   message(response.ok ? `${(await response.json()).message}: see Downloads` : await apiError(response));
 }
 
+async function removeCard(store, modelId) {
+  const response = await store.api(`/models/${modelId}`, { method: "DELETE" });
+  message(response.ok ? `removed the card of ${modelId}` : await apiError(response));
+  // The card leaves State a moment after the command.
+  setTimeout(() => store.loadCards(), 500);
+}
+
 async function deleteInstance(store, instanceId) {
   const response = await store.api(`/instance/${instanceId}`, { method: "DELETE" });
   message(response.ok ? (await response.json()).message : await apiError(response));
@@ -141,6 +148,9 @@ function modelRow(store, row) {
   }
   if (!onThisNode && store.nodeId) {
     actions.push(el("button", { class: "small", onclick: () => startDownload(store, row.id, store.nodeId) }, "Download"));
+  }
+  if (row.custom && row.instances.length === 0 && row.downloadedOn.length === 0) {
+    actions.push(el("button", { class: "small danger", onclick: () => removeCard(store, row.id) }, "Remove"));
   }
   for (const instance of row.instances) {
     actions.push(el("button", { class: "small danger", onclick: () => deleteInstance(store, instance.instanceId) }, "Stop"));

@@ -448,6 +448,8 @@ export function catalogRows(cards, state, search = "", show = "all") {
         downloadedOn: where[card.model_id] ?? [],
         instances: running.map((instance) => ({ instanceId: instance.instanceId, serving: instance.serving })),
         serving: running.some((instance) => instance.serving),
+        // Added through the API (from the hub): its card can be removed again.
+        custom: card.model_id in (state.customModelCards ?? {}),
       };
     })
     .filter((row) => {
