@@ -788,7 +788,8 @@ def test_a_hand_built_instance_with_a_port_that_is_no_number_is_refused():
 
 def with_engines(state: State, **engines: str) -> State:
     nodes = {
-        node_id: info.model_copy(update={"engine": EngineKind(engines[node_id])}) for node_id, info in state.nodes.items()
+        node_id: info.model_copy(update={"engine": EngineKind(engines[node_id])})
+        for node_id, info in state.nodes.items()
     }
     return state.model_copy(update={"nodes": nodes})
 
@@ -813,3 +814,67 @@ def test_an_instance_on_llamacpp_nodes_runs_llamacpp_unless_it_cannot():
     assert place_instance(state, llama.model_copy(update={"quantization": "3bit"})).engine == EngineKind.Mlx
     # MLX nodes run MLX whatever the model.
     assert place_instance(cluster(a=30), llama).engine == EngineKind.Mlx
+
+
+# --- the vision tower ------------------------------------------------------------------
+
+
+def vision_card(weights_gib: float, vision_gib: float, n_layers: int = 40) -> ModelCard:
+    card = make_card(n_layers=n_layers, weights_gib=weights_gib, context_length=1024)
+    return card.model_copy(update={"vision_bytes": int(vision_gib * GiB), "capabilities": ["text", "vision"]})
+
+
+def two_node_preview(state: State, card: ModelCard, sharding: Sharding):
+    return next(p for p in instance_previews(state, card, sharding, min_nodes=2) if p.instance is not None)
+
+
+def test_rank_0_holds_the_vision_tower_and_takes_fewer_layers_for_it():
+    # 40 GiB of weights, 10 of them the tower: the 40 layers share 30 GiB. Both nodes have
+    # 60 GiB beyond the overhead; rank 0 keeps 10 of its for the tower.
+    card = vision_card(weights_gib=40, vision_gib=10)
+    preview = two_node_preview(fully_linked(a=61, b=61), card, Sharding.Pipeline)
+    assert preview.instance is not None
+    ranges = [(s.start_layer, s.end_layer) for s in shards_by_rank(preview.instance)]
+    assert ranges == split_layers(40, [50 * GiB, 60 * GiB])
+    (first, second), kv = ranges, kv_cache_bytes(card, 1024)
+    rank0, rank1 = nodes_by_rank(preview.instance)
+    layer_bytes = (30 * GiB + kv) * (first[1] - first[0]) // 40
+    assert preview.memory_needed_bytes[rank0] == layer_bytes + 10 * GiB + RUNTIME_OVERHEAD_BYTES
+    assert (
+        preview.memory_needed_bytes[rank1] == (30 * GiB + kv) * (second[1] - second[0]) // 40 + RUNTIME_OVERHEAD_BYTES
+    )
+
+
+def test_a_model_that_fits_only_without_its_tower_is_rejected_naming_the_tower():
+    card = vision_card(weights_gib=8, vision_gib=3)
+    needed = (8 * GiB + kv_cache_bytes(card, 1024) + RUNTIME_OVERHEAD_BYTES) / GiB
+    with pytest.raises(PlacementError) as error:
+        place_instance(cluster(mini=needed - 0.5), card)
+    assert "3.00 GiB vision tower" in str(error.value)
+    assert f"needs {needed:.2f} GiB" in str(error.value)
+
+
+def test_on_a_tensor_split_only_rank_0_adds_the_tower():
+    card = vision_card(weights_gib=34, vision_gib=4, n_layers=24)
+    preview = two_node_preview(fully_linked(a=64, b=64), card, Sharding.Tensor)
+    assert preview.instance is not None
+    rank0, rank1 = nodes_by_rank(preview.instance)
+    assert preview.memory_needed_bytes[rank0] - preview.memory_needed_bytes[rank1] == 4 * GiB
+
+
+def test_a_local_vlm_dirs_card_counts_its_vision_weights(tmp_path):
+    """From the safetensors headers: the tower's (and Gemma 4's projector's) tensors."""
+    from safetensors import safe_open
+
+    from exo.catalog.cards import card_from_model_dir
+    from exo.devtools.tiny_vlms import make_tiny_vlm
+
+    for name, prefixes in (
+        ("gemma4_vlm", ("model.vision_tower.", "model.embed_vision.")),
+        ("qwen3_vl", ("model.visual.",)),
+    ):
+        path = make_tiny_vlm(tmp_path / name, name)
+        with safe_open(str(path / "model.safetensors"), "np") as weights:
+            expected = sum(weights.get_tensor(key).nbytes for key in weights.keys() if key.startswith(prefixes))
+        card = card_from_model_dir(path, f"acme/{name}")
+        assert 0 < card.vision_bytes == expected < card.storage_size.in_bytes

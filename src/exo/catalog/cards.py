@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from exo.catalog.model_dirs import resource_dir, weight_files
 from exo.shared.models.families import family_facts, has_tensor_strategy
 from exo.shared.models.model_cards import ModelCard, ModelTask, StorageSize
-from exo.shared.models.vision import vision_runs
+from exo.shared.models.vision import is_vision_weight, vision_runs
 
 
 def _load_card_file(path: Path) -> ModelCard:
@@ -58,9 +58,10 @@ def kv_sharing_tail_start(config: dict) -> int | None:
     return min(sources, default=None)
 
 
-def card_from_config(config: dict, model_id: str, weight_bytes: int) -> ModelCard:
+def card_from_config(config: dict, model_id: str, weight_bytes: int, vision_bytes: int = 0) -> ModelCard:
     """A card from a model's config.json and the size of its weights (on disk, or as the
-    hub lists them); what the family table knows about its model_type fills the rest."""
+    hub lists them; `vision_bytes` of them the vision side's); what the family table
+    knows about its model_type fills the rest."""
     n_layers = _config_value(config, "num_hidden_layers")
     hidden_size = _config_value(config, "hidden_size")
     if n_layers is None or hidden_size is None:
@@ -85,8 +86,28 @@ def card_from_config(config: dict, model_id: str, weight_bytes: int) -> ModelCar
         reasoning_dialect=facts.reasoning_dialect,
         context_length=_config_value(config, "max_position_embeddings"),
         storage_size=StorageSize(in_bytes=weight_bytes),
+        vision_bytes=vision_bytes if vision_runs(config) else 0,
         pipeline_tail_start=kv_sharing_tail_start(config),
     )
+
+
+def _safetensors_header(path: Path) -> dict:
+    with path.open("rb") as file:
+        header_length = int.from_bytes(file.read(8), "little")
+        return json.loads(file.read(header_length))
+
+
+def vision_weight_bytes(config: dict, files: list[Path]) -> int:
+    """The bytes of the vision tower's and projector's tensors, from the files' headers."""
+    if not vision_runs(config):
+        return 0
+    total = 0
+    for path in (path for path in files if path.is_file()):
+        for name, tensor in _safetensors_header(path).items():
+            if name != "__metadata__" and is_vision_weight(config, name):
+                start, end = tensor["data_offsets"]
+                total += end - start
+    return total
 
 
 def safetensors_problem(path: Path) -> str | None:
@@ -126,8 +147,13 @@ def card_from_model_dir(model_dir: Path, model_id: str) -> ModelCard:
         raise ValueError(f"{model_dir / 'config.json'} is not valid JSON ({error})") from error
     if not isinstance(config, dict):
         raise ValueError(f"{model_dir / 'config.json'} is not a JSON object")
-    weight_bytes = sum(path.stat().st_size for path in weight_files(model_dir) or [])
+    files = weight_files(model_dir) or []
+    weight_bytes = sum(path.stat().st_size for path in files)
     try:
-        return card_from_config(config, model_id, weight_bytes)
+        vision_bytes = vision_weight_bytes(config, [path for path in files if path.suffix == ".safetensors"])
+    except (OSError, ValueError, KeyError, TypeError):  # a broken header: model_dir_problem names it
+        vision_bytes = 0
+    try:
+        return card_from_config(config, model_id, weight_bytes, vision_bytes)
     except ValueError as error:
         raise ValueError(f"{model_dir / 'config.json'}: {error}") from error

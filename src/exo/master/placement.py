@@ -262,6 +262,8 @@ def _preview(
         node_id: _bytes_needed(card, context, end - start, n if sharding == Sharding.Tensor else 1)
         for node_id, (start, end) in zip(ring, layer_ranges, strict=True)
     }
+    # The vision tower and projector run on rank 0 alone.
+    needed[ring[0]] += card.vision_bytes
     reasons = [
         reason
         for reason in (
@@ -302,14 +304,23 @@ def _layer_ranges(card: ModelCard, sharding: Sharding, available: list[int]) -> 
     if len(available) > card.n_layers:
         # Cannot be placed; one layer each still shows roughly what a node would hold.
         return [(0, 1)] * len(available)
-    # What is left after the fixed overhead is what the layers can use.
-    weights = [max(free - RUNTIME_OVERHEAD_BYTES, 0) for free in available]
+    # What is left after the fixed overhead (and on rank 0 the vision tower) is what the
+    # layers can use.
+    weights = [
+        max(free - RUNTIME_OVERHEAD_BYTES - (card.vision_bytes if rank == 0 else 0), 0)
+        for rank, free in enumerate(available)
+    ]
     return split_layers(card.n_layers, weights, card.pipeline_tail_start)
 
 
 def _bytes_needed(card: ModelCard, context: int, layers: int, tensor_ways: int) -> int:
-    share = (card.storage_size.in_bytes + kv_cache_bytes(card, context)) * layers // card.n_layers
+    share = (_layer_weight_bytes(card) + kv_cache_bytes(card, context)) * layers // card.n_layers
     return -(-share // tensor_ways) + RUNTIME_OVERHEAD_BYTES
+
+
+def _layer_weight_bytes(card: ModelCard) -> int:
+    """The weights the layers share out (all but the vision side's)."""
+    return max(card.storage_size.in_bytes - card.vision_bytes, 0)
 
 
 def _structure_reason(card: ModelCard, sharding: Sharding, n: int) -> str | None:
@@ -347,15 +358,16 @@ def _memory_reason(
 ) -> str | None:
     ways = len(ring) if sharding == Sharding.Tensor else 1
     short = []
-    for node_id, (start, end) in zip(ring, layer_ranges, strict=True):
+    for rank, (node_id, (start, end)) in enumerate(zip(ring, layer_ranges, strict=True)):
         if needed[node_id] <= available[node_id]:
             continue
         fraction = (end - start) / card.n_layers / ways
-        weights = card.storage_size.in_bytes * fraction
+        weights = _layer_weight_bytes(card) * fraction
         kv = kv_cache_bytes(card, context) * fraction
+        tower = f" + {_gib(card.vision_bytes)} vision tower" if rank == 0 and card.vision_bytes else ""
         short.append(
             f"node {node_id} has {_gib(available[node_id])} free, needs {_gib(needed[node_id])} "
-            f"({_gib(weights)} weights + {_gib(kv)} KV cache for {context} tokens"
+            f"({_gib(weights)} weights + {_gib(kv)} KV cache for {context} tokens{tower}"
             f" + {_gib(RUNTIME_OVERHEAD_BYTES)} runtime)"
         )
     return "; ".join(short) or None

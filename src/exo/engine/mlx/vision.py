@@ -40,7 +40,7 @@ from exo.engine.mlx.deepstack import DeepStack, DeepStackRun, attach_deepstack, 
 from exo.engine.mlx.image_attention import attach_image_spans, install_image_overlay
 from exo.engine.mlx.mrope import RopePositions, attach_positions, image_positions, install_mrope
 from exo.engine.mlx.parallel import broadcast_bytes
-from exo.shared.models.vision import bidirectional_images, vision_runs
+from exo.shared.models.vision import PROJECTOR_PREFIXES, TOWER_PREFIXES, bidirectional_images, vision_runs
 from exo.shared.types.text_generation import ImageInput, TextGenerationTaskParams, image_hashes_in_order
 
 
@@ -306,12 +306,12 @@ def _gemma4(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
         text_hidden_size=int(config["text_config"]["hidden_size"]),
         eps=vision_config.rms_norm_eps,
     )
-    tower_weights = _weights(model_dir, ("model.vision_tower.", "vision_tower."))
+    tower_weights = _weights(model_dir, TOWER_PREFIXES["gemma4"])
     if not vision_config.use_clipped_linears:
         tower_weights = {k: v for k, v in tower_weights.items() if not k.endswith(("_min", "_max"))}
     _load_into(tower, tower_weights, config)
     dtype = tower.patch_embedder.input_proj.weight.dtype
-    _load_into(projector, _weights(model_dir, ("model.embed_vision.", "embed_vision.")), config)
+    _load_into(projector, _weights(model_dir, PROJECTOR_PREFIXES["gemma4"]), config)
     processor = Gemma4ImageProcessor.from_pretrained(str(model_dir))
 
     def encode(image: Image.Image) -> Encoded:
@@ -340,7 +340,7 @@ def _qwen_vl(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
     else:
         vision_config = QwenVisionConfig.from_dict(fields)
         tower = QwenVisionModel(vision_config)
-    _load_into(tower, tower.sanitize(_weights(model_dir, ("model.visual.", "visual."))), config)
+    _load_into(tower, tower.sanitize(_weights(model_dir, TOWER_PREFIXES[config["model_type"]])), config)
     dtype = tower.patch_embed.proj.weight.dtype
     # transformers' image processor of the PIL kind (both families use it): no torchvision.
     processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))

@@ -80,6 +80,9 @@ class ModelCard(FrozenModel):
     reasoning_dialect: ReasoningDialect = ReasoningDialect.none
     context_length: int | None = None
     storage_size: StorageSize
+    # Of storage_size, the vision tower's and projector's bytes: rank 0 alone holds them
+    # (engine/mlx/vision.py), so placement adds them to its share, not every rank's.
+    vision_bytes: int = Field(0, ge=0)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     vision: VisionCard | None = None
     # Layers from this index to the last must sit on one pipeline rank. Gemma 4 E2B/E4B

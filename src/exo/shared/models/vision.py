@@ -9,6 +9,23 @@ from typing import Any
 VISION_MODEL_TYPES = frozenset({"gemma4", "qwen2_5_vl", "qwen3_vl"})
 
 
+# Where a checkpoint keeps the vision side's weights: as transformers saves it
+# ("model."-prefixed), as older or mlx-vlm-converted checkpoints write it.
+TOWER_PREFIXES = {
+    "gemma4": ("model.vision_tower.", "vision_tower."),
+    "qwen2_5_vl": ("model.visual.", "visual.", "vision_tower."),
+    "qwen3_vl": ("model.visual.", "visual.", "vision_tower."),
+}
+PROJECTOR_PREFIXES = {"gemma4": ("model.embed_vision.", "embed_vision.")}
+
+
+def is_vision_weight(config: dict[str, Any], name: str) -> bool:
+    """Whether a weight of this config's checkpoint belongs to its vision tower or projector."""
+    model_type = config.get("model_type", "")
+    prefixes = TOWER_PREFIXES.get(model_type, ()) + PROJECTOR_PREFIXES.get(model_type, ())
+    return name.startswith(prefixes)
+
+
 def vision_runs(config: dict[str, Any]) -> bool:
     """Whether exo runs this config.json's vision side."""
     if config.get("model_type") not in VISION_MODEL_TYPES or not config.get("vision_config"):
