@@ -27,6 +27,7 @@ def test_exo_bench_sweeps_every_target_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--pp", str(PP), "--tg", str(TG), "--concurrency", "1,2", "--prefix-cache", "on,off"]
     args += ["--rounds", "1", "--side-by-side", "--verify", "--hidden", "64", "--layers", "2", "--json", str(out)]
+    args += ["--engine", "mlx"]  # its texts are compared with raw mlx-lm's
     run = subprocess.run(_command() + args, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "agg tok/s" in run.stdout  # the table

@@ -1,7 +1,7 @@
 """The GGUF converter (engine/llamacpp/gguf_convert.py) gives llama.cpp the checkpoint's
 own numbers.
 
-Float: for llama, qwen2 and qwen3 a random float32 transformers model with sharp weights
+Float: for llama, qwen2, qwen3 and qwen3_moe a random float32 transformers model with sharp weights
 (N(0, 0.08), devtools/onboard.py's write_reference_model) is converted to an F32 GGUF and
 loaded by llama-cpp-python; its logprobs over a 64-token prompt must equal transformers'
 full forward within 1e-4 (llama's q/k row permutation and Llama 3's rope factors
@@ -13,7 +13,8 @@ equals mx.dequantize bit for bit. Against mlx-lm's forward of that 4-bit model (
 float32, its scales widened exactly): the same weights widened to F32 in the GGUF give
 its logprobs within 1e-4 (measured 1.6e-6); served as Q4_1 they are 4.6e-2 off, not
 within 1e-3, because llama.cpp's CPU Q4_1 matmul rounds each activation row to Q8_1
-blocks first (a kernel property, not the conversion's: the weights are exact).
+blocks first (a kernel property, not the conversion's: the weights are exact). mlx-lm's
+qwen3_moe (experts stacked as switch_mlp, the router 8-bit) widened: 1.4e-6.
 
 The cache: a second call converts nothing; a changed weight file converts again."""
 
@@ -77,7 +78,7 @@ def _progress_calls(model_dir: Path, cache: Path) -> tuple[Path, int]:
     return path, len(calls)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_float_gguf_matches_transformers(family: str, tmp_path: Path) -> None:
     import torch
 
@@ -140,19 +141,39 @@ def test_mlx_4bit_is_q4_1_bit_for_bit(mlx_4bit: Path, tmp_path: Path) -> None:
         assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), base
 
 
-def test_mlx_4bit_logprobs_match_mlx_lm(mlx_4bit: Path, tmp_path: Path) -> None:
-    model, _ = load_model(mlx_4bit)
+def _mlx_lm_logprobs(model_dir: Path, prompt: list[int]) -> np.ndarray:
+    model, _ = load_model(model_dir)
     # float32 activations; bf16 -> f32 scales and biases are exact, so the weights are the same
     model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, model.parameters()))
-    prompt = random_prompt(json.loads((mlx_4bit / "config.json").read_text())["vocab_size"], PROMPT_LEN)
-    logits = model(mx.array([prompt]))[0]
-    reference = _log_softmax(np.array(logits.astype(mx.float32)))
-    convert(mlx_4bit, tmp_path / "widened.gguf", widen=True)
+    return _log_softmax(np.array(model(mx.array([prompt]))[0].astype(mx.float32)))
+
+
+def _widened_and_q4_1(model_dir: Path, tmp_path: Path) -> tuple[float, float]:
+    prompt = random_prompt(json.loads((model_dir / "config.json").read_text())["vocab_size"], PROMPT_LEN)
+    reference = _mlx_lm_logprobs(model_dir, prompt)
+    convert(model_dir, tmp_path / "widened.gguf", widen=True)
     widened = float(np.abs(_llama_cpp_logprobs(tmp_path / "widened.gguf", prompt) - reference).max())
-    diff = float(np.abs(_llama_cpp_logprobs(gguf_for(mlx_4bit, tmp_path), prompt) - reference).max())
-    print(f"MLX 4-bit against mlx-lm: widened to F32 {widened:.2e}, as Q4_1 {diff:.2e}")
+    q4_1 = float(np.abs(_llama_cpp_logprobs(gguf_for(model_dir, tmp_path), prompt) - reference).max())
+    print(f"{model_dir.name} against mlx-lm: widened to F32 {widened:.2e}, as Q4_1 {q4_1:.2e}")
+    return widened, q4_1
+
+
+def test_mlx_4bit_logprobs_match_mlx_lm(mlx_4bit: Path, tmp_path: Path) -> None:
+    widened, q4_1 = _widened_and_q4_1(mlx_4bit, tmp_path)
     assert widened <= FLOAT_TOLERANCE
-    assert diff <= Q4_ACTIVATION_TOLERANCE
+    assert q4_1 <= Q4_ACTIVATION_TOLERANCE
+
+
+def test_mlx_4bit_moe_maps_stacked_experts(tmp_path: Path) -> None:
+    """mlx-lm's qwen3_moe checkpoint: experts stacked as switch_mlp (Q4_1, groups of 32),
+    the router 8-bit (widened to F32 exactly, not requantized)."""
+    write_reference_model(tmp_path / "float", copy.deepcopy(TINY_CONFIGS["qwen3_moe"]))
+    model_dir = tmp_path / "moe-q4"
+    mlx_convert(str(tmp_path / "float"), str(model_dir), quantize=True, q_bits=4, q_group_size=32, dtype="bfloat16")
+    kinds = {t.name: t.tensor_type.name for t in GGUFReader(gguf_for(model_dir, tmp_path)).tensors}
+    assert kinds["blk.0.ffn_gate_exps.weight"] == "Q4_1" and kinds["blk.0.ffn_gate_inp.weight"] == "F32"
+    widened, _ = _widened_and_q4_1(model_dir, tmp_path)  # as Q4_1 0.23 off: Q8_1 activations flip experts
+    assert widened <= FLOAT_TOLERANCE
 
 
 def test_cache_converts_once_and_again_when_weights_change(tmp_path: Path) -> None:
@@ -176,8 +197,9 @@ def test_cache_converts_once_and_again_when_weights_change(tmp_path: Path) -> No
 
 
 def test_supports_says_why_not() -> None:
-    for family in ("llama", "qwen2", "qwen3"):
+    for family in ("llama", "qwen2", "qwen3", "qwen3_moe"):
         assert supports(TINY_CONFIGS[family]) is None
+    assert supports({"model_type": "qwen3_moe", "quantization": {"bits": 4, "group_size": 64}}) is None
     assert supports({**TINY_CONFIGS["llama"], "quantization": {"group_size": 64, "bits": 4}}) is None
     assert supports({**TINY_CONFIGS["llama"], "quantization": {"group_size": 32, "bits": 8}}) is None
     reasons = [
@@ -186,6 +208,7 @@ def test_supports_says_why_not() -> None:
         supports({**TINY_CONFIGS["llama"], "quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}),
         supports({**TINY_CONFIGS["llama"], "quantization": {"group_size": 16, "bits": 4}}),
         supports({**TINY_CONFIGS["llama"], "quantization_config": {"quant_method": "gptq"}}),
+        supports({**TINY_CONFIGS["qwen3_moe"], "norm_topk_prob": False}),
     ]
     print(reasons)
     assert all(isinstance(r, str) and r for r in reasons)

@@ -6,15 +6,21 @@ trimmed (resumed from a prefill snapshot), Llama, whose cache is trimmed back, a
 Gemma 4 (dense with KV-shared layers, and MoE), whose sliding layers' rotating caches
 cannot be trimmed once the prompt is past their window (16 tokens; the prompt is ~130):
 there the warm answer's log-probabilities, top 20 per token, equal a cold run's
-within 1e-4, for an extended prompt and for the same prompt again."""
+within 1e-4, for an extended prompt and for the same prompt again. And the cache's
+bookkeeping on its own: a long prompt's boundary snapshots thinned to one per octave of
+length, and eviction when the machine's free memory falls under the reserve."""
 
+from types import SimpleNamespace
+
+import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import make_tiny
 from exo.engine.mlx import engine as engine_module
+from exo.engine.mlx import prefix_cache
 from exo.engine.mlx.engine import MlxEngine
 from exo.engine.mlx.prefix_cache import PrefixCache
 from exo.shared.types.common import ModelId
@@ -100,3 +106,37 @@ def test_gemma4_prefix_is_reused_past_the_sliding_window(gemma4, second, monkeyp
     print(f"{name} {second!r}: {cached_second} cached, max |logprob diff| {diff:.2e}")
     assert diff <= LOGPROB_TOLERANCE
     assert warm == cold
+
+
+def _state(nbytes: int) -> list[ArraysCache]:
+    """A cache that cannot be trimmed (an SSM layer's state) of `nbytes` bytes."""
+    layer = ArraysCache(1)
+    layer[0] = mx.zeros((nbytes // 4,), dtype=mx.float32)
+    return [layer]
+
+
+def test_a_long_prompt_keeps_one_boundary_snapshot_per_octave_of_length():
+    cache = PrefixCache(None, "test")
+    prompt = list(range(1024))
+    for end in range(32, 1025, 32):
+        cache.remember_boundary(prompt[:end], _state(64))
+    # 32 boundaries; kept: the longest in each octave of length below 1024 (32..63,
+    # 64..127, 128..255, 256..511, 512..1023) and 1024 itself.
+    assert sorted(len(entry.tokens) for entry in cache._entries) == [32, 32 * 3, 32 * 7, 32 * 15, 32 * 31, 1024]
+    # A prompt sharing 700 tokens resumes from the longest kept snapshot inside them.
+    _, cached = cache.fetch(prompt[:700] + [5000, 5001])
+    assert cached == 32 * 15
+
+
+def test_snapshots_give_way_when_the_machine_runs_low_on_memory(monkeypatch):
+    available = {"bytes": 8 << 30}
+    monkeypatch.setattr(prefix_cache.psutil, "virtual_memory", lambda: SimpleNamespace(available=available["bytes"]))
+    cache = PrefixCache(None, "test")
+    for index in range(4):
+        cache.remember_finished([index] * 10, _state(1 << 20))
+    assert len(cache._entries) == 4
+    # Under the reserve by 2.5 MiB: the three least recently used go.
+    cache.fetch([3] * 10)
+    available["bytes"] = prefix_cache.RESERVE_BYTES - (5 << 19)
+    cache.remember_finished([9] * 10, _state(1 << 20))
+    assert [int(entry.tokens[0]) for entry in cache._entries] == [3, 9]

@@ -57,9 +57,10 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def loopback_nodes(count: int, scratch: Path, models_dir: Path | None) -> Iterator[str]:
+def loopback_nodes(count: int, scratch: Path, models_dir: Path | None, engine: str | None) -> Iterator[str]:
     """`count` exo nodes on 127.0.0.1, each with its own home, joined by bootstrap peers
-    (no multicast); yields the first node's API URL once all see each other."""
+    (no multicast), running `engine` if given (else the node's default); yields the
+    first node's API URL once all see each other."""
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     processes: list[subprocess.Popen[bytes]] = []
     listen_ports: list[int] = []
@@ -77,6 +78,8 @@ def loopback_nodes(count: int, scratch: Path, models_dir: Path | None) -> Iterat
             env = {**os.environ, "EXO_HOME": str(home)}
             if models_dir is not None:
                 env["EXO_MODELS_DIRS"] = str(models_dir)
+            if engine is not None:
+                env["EXO_ENGINE"] = engine
             log = home / "node.log"
             with log.open("wb") as out:
                 processes.append(

@@ -82,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-dir", type=Path, help="the weights (for nodes started here and --side-by-side)")
     parser.add_argument("--eos-ids", type=_ints, help="tokens to ban (default: the model dir's EOS ids)")
     parser.add_argument("--api-key")
+    parser.add_argument("--engine", help="the engine the nodes started here run (EXO_ENGINE: mlx, llamacpp)")
     parser.add_argument("--hidden", type=int, default=256, help="the tiny llama's width")
     parser.add_argument("--layers", type=int, default=4, help="the tiny llama's depth")
     args = parser.parse_args(argv)
@@ -251,7 +252,9 @@ def main(argv: list[str] | None = None) -> None:
         nonce = uuid.uuid4().hex[:6]
         nodes = max(2 if p != "single" else 1 for p in args.placements)
         started = time.time()
-        nodes_or_url = loopback_nodes(nodes, scratch, models_dir) if args.url is None else nullcontext(args.url)
+        nodes_or_url = (
+            loopback_nodes(nodes, scratch, models_dir, args.engine) if args.url is None else nullcontext(args.url)
+        )
         with nodes_or_url as url:
             exo = [ExoTarget(url, args.model, placement, args.api_key) for placement in args.placements]
             # Prompt sizes are found on exo's own template once, then sent to every target.

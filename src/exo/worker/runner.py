@@ -17,6 +17,7 @@ from exo.shared.types.common import CommandId, RunnerId, TaskId
 from exo.shared.types.events import RunnerStatusUpdated, TaskStatusUpdated
 from exo.shared.types.instances import EngineKind, Instance
 from exo.shared.types.runners import (
+    PrefixCacheStats,
     RunnerConnected,
     RunnerConnecting,
     RunnerFailed,
@@ -64,6 +65,8 @@ class Runner:
         self.active: dict[CommandId, TaskId] = {}
         self.ready = False
         self._reported: RunnerStatus | None = None
+        # From the usage of the requests it finished; reported with the load.
+        self.prefix_cache = PrefixCacheStats()
 
     def set_status(self, status: RunnerStatus) -> None:
         self.conn.send(RunnerStatusUpdated(runner_id=self.runner_id, status=status))
@@ -154,6 +157,8 @@ class Runner:
                         f"prompt {chunk.stats.prompt_tokens} tokens at {chunk.stats.prompt_tps:.1f} tok/s, "
                         f"generated {chunk.stats.generation_tokens} at {chunk.stats.generation_tps:.1f} tok/s"
                     )
+                if chunk.usage is not None:
+                    self._count_prefix_cache(chunk.usage.cached_tokens)
                 task_id = self.active.pop(chunk.command_id)
                 self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Complete))
         # Also after a step that only applied a cancellation (a split instance's ops wait
@@ -164,14 +169,25 @@ class Runner:
         self.conn.send(ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message))
         self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Failed, error_message=message))
 
+    def _count_prefix_cache(self, cached_tokens: int) -> None:
+        stats = self.prefix_cache
+        self.prefix_cache = stats.model_copy(
+            update={
+                "hits": stats.hits + (cached_tokens > 0),
+                "misses": stats.misses + (cached_tokens == 0),
+                "cached_tokens": stats.cached_tokens + cached_tokens,
+            }
+        )
+
     def _report_load(self) -> None:
-        """Running and queued counts, sent when they change (a request came or left):
-        the status rides the usual runner -> worker -> event way into State."""
+        """Running and queued counts and the prefix cache's use, sent when they change (a
+        request came or left): the status rides the usual runner -> worker -> event way
+        into State."""
         running, queued = self.engine.request_counts
         if running == 0 and queued == 0:
-            status: RunnerStatus = RunnerReady()
+            status: RunnerStatus = RunnerReady(prefix_cache=self.prefix_cache)
         else:
-            status = RunnerRunning(active_tasks=running, queued_tasks=queued)
+            status = RunnerRunning(active_tasks=running, queued_tasks=queued, prefix_cache=self.prefix_cache)
         if status != self._reported:
             self._reported = status
             self.set_status(status)

@@ -263,9 +263,9 @@ class ResponseEncoder(Encoder):
             if chunk.usage is not None:
                 self.usage = {
                     "input_tokens": chunk.usage.prompt_tokens,
-                    "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                    "input_tokens_details": {"cached_tokens": chunk.usage.cached_tokens, "cache_write_tokens": 0},
                     "output_tokens": chunk.usage.completion_tokens,
-                    "output_tokens_details": {"reasoning_tokens": 0},
+                    "output_tokens_details": {"reasoning_tokens": chunk.usage.reasoning_tokens},
                     "total_tokens": chunk.usage.total_tokens,
                 }
             # As OpenAI does: running out of max_output_tokens makes the response incomplete.

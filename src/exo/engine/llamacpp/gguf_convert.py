@@ -109,7 +109,8 @@ def supports(config: dict) -> str | None:
     if config.get("use_sliding_window"):
         return "sliding-window attention is not converted"
     if model_type == "qwen3_moe":
-        if not config.get("norm_topk_prob", False):
+        # Refused only when the config says so: a card's partial config does not carry it.
+        if config.get("norm_topk_prob") is False:
             return "llama.cpp's qwen3moe always renormalizes the top-k router weights; this config does not"
         if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
             return "llama.cpp's qwen3moe wants every layer MoE"

@@ -33,8 +33,19 @@ class RunnerWarmingUp(FrozenModel):
     kind: Literal["RunnerWarmingUp"] = "RunnerWarmingUp"
 
 
+class PrefixCacheStats(FrozenModel):
+    """A serving runner's prefix cache since it loaded, from its finished requests'
+    usage: those that found part of their prompt cached (hits) or none (misses), and
+    the prompt tokens served from it."""
+
+    hits: int = 0
+    misses: int = 0
+    cached_tokens: int = 0
+
+
 class RunnerReady(FrozenModel):
     kind: Literal["RunnerReady"] = "RunnerReady"
+    prefix_cache: PrefixCacheStats | None = None
 
 
 class RunnerRunning(FrozenModel):
@@ -43,6 +54,7 @@ class RunnerRunning(FrozenModel):
     # for room beyond its admission limit.
     active_tasks: int = 1
     queued_tasks: int = 0
+    prefix_cache: PrefixCacheStats | None = None
 
 
 class RunnerShuttingDown(FrozenModel):
