@@ -1,5 +1,5 @@
 """Property-based requests from the node's own OpenAPI schema: whatever a client sends to
-a generation endpoint, the answer is never a 5xx (bad input is a 4xx in the API's shape)."""
+any endpoint, the answer is never a 5xx (bad input is a 4xx in the API's shape)."""
 
 import os
 from collections.abc import Iterator
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
+from exo.devtools.api_fuzz import aim_at_the_tiny_model, fuzz_node, operations
 from tests.support.node import TINY_MODEL_ID, ExoNode, running_node
 
 OPERATIONS = [
@@ -24,16 +25,14 @@ OPERATIONS = [
     "/ollama/api/generate",
     "/ollama/api/show",
 ]
-# Output length fields, per API; capped so that each generated request finishes quickly.
-LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-MAX_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Iterator[ExoNode]:
     home = tmp_path_factory.mktemp("schemathesis") / "exo_home"
     # No hub: a closed port on loopback, so /models/add fails fast and the same way anywhere.
-    env = {"EXO_MODELS_DIRS": str(tiny_models_dir), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    # The tiny model's dir is read-only to the node: no fuzzed delete can remove it.
+    env = {"EXO_MODELS_READ_ONLY_DIRS": str(tiny_models_dir), "HF_ENDPOINT": "http://127.0.0.1:9"}
     with running_node(home, env, ("--no-auto-place",), [TINY_MODEL_ID]) as node:
         yield node
 
@@ -41,27 +40,6 @@ def node(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Ite
 @pytest.fixture(scope="module")
 def api_schema(node: ExoNode) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_url(f"{node.url}/openapi.json")
-
-
-def _short(value: object) -> bool:
-    # Floats count too: pydantic takes 3975268.0 as an int field's value.
-    return not (isinstance(value, int | float) and not isinstance(value, bool) and value > MAX_TOKENS)
-
-
-def aim_at_the_tiny_model(body: object) -> None:
-    """Most random model names are just a 404; name the placed model instead so requests
-    get as far as generation, and keep generation short. Values of the wrong type stay,
-    to be rejected."""
-    if not isinstance(body, dict):
-        return
-    if isinstance(body.get("model"), str) and body["model"]:
-        body["model"] = TINY_MODEL_ID
-    for field in LENGTH_FIELDS:
-        if field not in body or not _short(body[field]):
-            body[field] = MAX_TOKENS
-    options = body.setdefault("options", {})
-    if isinstance(options, dict) and ("num_predict" not in options or not _short(options["num_predict"])):
-        options["num_predict"] = MAX_TOKENS
 
 
 @pytest.mark.parametrize("path", OPERATIONS)
@@ -122,3 +100,18 @@ def test_cluster_endpoints_never_answer_5xx(api_schema: schemathesis.BaseSchema,
     except BaseException:
         print(f"--- exo node log ---\n{node.logs()[-20000:]}")
         raise
+
+
+# Every operation of the document that the tests above do not drive, a few examples each
+# (python bench/api_fuzz.py runs all of them with more). Placing and deleting instances
+# and downloads are among them: the tiny model's dir is this node's, read-only to it.
+OTHER_EXAMPLES = int(os.environ.get("EXO_SCHEMATHESIS_OTHER_EXAMPLES", "8"))
+
+
+def test_every_other_operation_never_answers_5xx(node: ExoNode):
+    covered = {("POST", path) for path in OPERATIONS} | set(CLUSTER_OPERATIONS)
+    result = fuzz_node(node.url, OTHER_EXAMPLES, skip=frozenset(covered))
+    print(result.report())
+    others = {f"{method} {path}" for method, path in operations(node.url) if (method, path) not in covered}
+    assert set(result.per_operation) == others and len(others) >= 14, result.per_operation
+    assert result.server_errors == [], result.server_errors[:5]
