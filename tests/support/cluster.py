@@ -17,6 +17,7 @@ nodes sit in namespaces whose only link is the harness's own bridge.
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -54,6 +55,9 @@ class ClusterNode(ExoNode):
     discovery_port: int = 0
     namespace: str = ""  # the exo --namespace
     netns: str | None = None  # the Linux network namespace it runs in, if any
+    # How it was started, so it can be started again on the same home and ports.
+    command: tuple[str, ...] = ()
+    env: dict[str, str] | None = None
 
 
 class Cluster(list):
@@ -81,6 +85,27 @@ class Cluster(list):
     def stop_node(self, node: ClusterNode) -> None:
         stop_nodes([node])
         self.remove(node)
+
+    def kill_and_restart(self, nodes: Sequence[ClusterNode]) -> list[ClusterNode]:
+        """kill -9 every node of `nodes` (their runners die with them), then start each
+        again as it was started: same home, ports and arguments."""
+        for node in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.process.pid, signal.SIGKILL)
+        for node in nodes:
+            node.process.wait()
+        restarted = []
+        for node in nodes:
+            with node.log_path.open("ab") as log:
+                process = subprocess.Popen(
+                    list(node.command), env=node.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            again = dataclasses.replace(node, process=process)
+            self[self.index(node)] = again
+            self.started.append(again)
+            restarted.append(again)
+        wait_started(restarted)
+        return restarted
 
 
 # ---------------------------------------------------------------------------
@@ -117,7 +142,15 @@ def spawn_node(
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return ClusterNode(
-        process=process, api_port=api_port, home=home, log_path=log_path, host=host, netns=netns, **fields
+        process=process,
+        api_port=api_port,
+        home=home,
+        log_path=log_path,
+        host=host,
+        netns=netns,
+        command=tuple(command),
+        env=env,
+        **fields,
     )
 
 
