@@ -141,8 +141,12 @@ class LlamaCppEngine:
             split=[float(n) for n in self.follower_layers],
         )
         context_length = min(shard.model_card.context_length or 4096, MAX_CONTEXT)
-        self.context = Context(self.model, context_length, MAX_BATCH + KEPT_SEQUENCES, PREFILL_STEP + MAX_BATCH)
-        self.slots = Slots(self.context, MAX_BATCH + KEPT_SEQUENCES)
+        # A float32 checkpoint keeps float32 keys and values: its own precision.
+        dtype = config.get("torch_dtype") or config.get("dtype")
+        f32 = dtype == "float32" and "quantization" not in config
+        sequences = MAX_BATCH + KEPT_SEQUENCES
+        self.context = Context(self.model, context_length, sequences, PREFILL_STEP + MAX_BATCH, f32_kv=f32)
+        self.slots = Slots(self.context, sequences)
         logger.info(f"llama.cpp: {gguf.name}, {self.model.n_layers} layers, context {self.context.n_ctx}")
 
     def warm_up(self) -> int:

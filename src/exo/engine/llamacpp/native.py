@@ -94,9 +94,10 @@ class Model:
 
 class Context:
     """One llama.cpp context: `sequences` sequences sharing one KV buffer of `n_ctx`
-    cells (unified, so a sequence can copy another's prefix without copying data)."""
+    cells (unified, so a sequence can copy another's prefix without copying data), in
+    f16 unless `f32_kv`."""
 
-    def __init__(self, model: Model, n_ctx: int, sequences: int, batch_tokens: int) -> None:
+    def __init__(self, model: Model, n_ctx: int, sequences: int, batch_tokens: int, f32_kv: bool = False) -> None:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = batch_tokens
@@ -105,6 +106,11 @@ class Context:
         params.n_threads = threads()
         params.n_threads_batch = threads()
         params.kv_unified = True
+        if f32_kv:
+            # llama.cpp keeps keys and values in f16 by default, and its CPU flash
+            # attention computes in f16: either moves a float32 model's logprobs by ~2e-3.
+            params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.no_perf = True
         context = llama_cpp.llama_init_from_model(model.ptr, params)
         if not context:

@@ -25,10 +25,11 @@ def _library(name: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(_LIB_DIR / name), mode=ctypes.RTLD_GLOBAL)
 
 
-def _ggml() -> tuple[ctypes.CDLL, ctypes.CDLL]:
-    base, rpc = _library("libggml-base.so"), _library("libggml-rpc.so")
-    base.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    base.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+def _ggml() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL]:
+    """ggml's device registry, its backend basics and its RPC backend."""
+    ggml, base, rpc = _library("libggml.so"), _library("libggml-base.so"), _library("libggml-rpc.so")
+    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
     base.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
     base.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
     base.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -43,14 +44,14 @@ def _ggml() -> tuple[ctypes.CDLL, ctypes.CDLL]:
         ctypes.POINTER(ctypes.c_void_p),
     ]
     rpc.ggml_backend_rpc_start_server.restype = None
-    return base, rpc
+    return ggml, base, rpc
 
 
 def serve(endpoint: str) -> threading.Thread:
     """Serves this node's CPU at `endpoint` ("host:port") until the process ends."""
     init_backend()
-    base, rpc = _ggml()
-    cpu = base.ggml_backend_dev_by_type(_CPU_DEVICE)
+    ggml, _, rpc = _ggml()
+    cpu = ggml.ggml_backend_dev_by_type(_CPU_DEVICE)
     devices = (ctypes.c_void_p * 1)(cpu)
 
     def run() -> None:
@@ -80,7 +81,7 @@ def wait_reachable(endpoint: str, timeout: float = 60.0) -> None:
 def remote_devices(endpoints: list[str]) -> list[int]:
     """One device per follower, in rank order."""
     init_backend()
-    base, rpc = _ggml()
+    _, base, rpc = _ggml()
     devices = []
     for endpoint in endpoints:
         wait_reachable(endpoint)
