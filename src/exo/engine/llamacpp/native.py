@@ -58,6 +58,10 @@ class Model:
         init_backend()
         params: Any = llama_cpp.llama_model_default_params()
         params.use_mmap = True
+        # llama.cpp's extra CPU buffer types (AMX, repacked quantized layouts) stay off
+        # unless asked for: a -march=native build puts quantized weights in the AMX
+        # buffer, and a VM or sandbox can fault on AMX instructions the CPU lists.
+        params.use_extra_bufts = os.environ.get("EXO_LLAMACPP_EXTRA_BUFTS") == "1"
         self._keep: list[object] = []
         if devices:
             device_list = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)

@@ -63,7 +63,10 @@ class Sampler:
             self.grammar.consume([token])
 
     def _process(self, logits: np.ndarray) -> np.ndarray:
-        values = logits.astype(np.float32, copy=True)
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            return self._apply(logits.astype(np.float32, copy=True))
+
+    def _apply(self, values: np.ndarray) -> np.ndarray:
         if self.bias:
             np.add.at(values, self._bias_ids, self._bias_values)
         if self._penalized and self.counts:
@@ -79,6 +82,8 @@ class Sampler:
                 values[seen] -= self.frequency_penalty * times
         if self.grammar is not None:
             values[~self.grammar.allowed(len(values))] = -np.inf
+        # An extreme penalty (5e-324, 1e300) turns logits into inf - inf.
+        values[np.isnan(values)] = -np.inf
         return values
 
     def _draw(self, logprobs: np.ndarray) -> int:
@@ -92,13 +97,20 @@ class Sampler:
             kept = kept.copy()
             kept[cut] = -np.inf
         scaled = kept * (1.0 / self.temperature)
-        weights = np.exp(scaled - scaled.max())
+        peak = scaled.max()
+        if not np.isfinite(peak):
+            return int(np.argmax(scaled))
+        weights = np.exp(scaled - peak)
         cumulative = np.cumsum(weights, dtype=np.float64)
         return int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
 
 
 def _log_softmax(values: np.ndarray) -> np.ndarray:
     peak = values.max()
+    if np.isposinf(peak):
+        # Penalties can push logits to inf: those tokens share all the probability.
+        top = values == peak
+        return np.where(top, -np.log(top.sum()), -np.inf).astype(np.float32)
     shifted = values - peak
     return shifted - np.log(np.exp(shifted, dtype=np.float64).sum()).astype(np.float32)
 
