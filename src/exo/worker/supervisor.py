@@ -14,6 +14,7 @@ from exo.shared.types.instances import Instance
 from exo.shared.types.runners import RunnerFailed, RunnerShutdown
 from exo.shared.types.tasks import FINISHED_TASK_STATUSES, TaskStatus
 from exo.shared.types.text_generation import ChunkGenerated
+from exo.worker.chunk_coalescing import coalesced
 from exo.worker.runner import runner_main
 from exo.worker.runner_protocol import (
     CancelRunnerTask,
@@ -21,6 +22,9 @@ from exo.worker.runner_protocol import (
     Shutdown,
     SubmitTask,
 )
+
+# Messages read from the pipe at once (and merged where they can be) before relaying.
+MAX_READ = 64
 
 
 class RunnerSupervisor:
@@ -76,10 +80,16 @@ class RunnerSupervisor:
         self.send(CancelRunnerTask(task_id=task_id))
 
     def _on_readable(self) -> None:
+        arrived: list[Any] = []
+        gone = False
         try:
-            while self._conn.poll():
-                self._relay(self._conn.recv())
+            while self._conn.poll() and len(arrived) < MAX_READ:
+                arrived.append(self._conn.recv())
         except (EOFError, OSError):
+            gone = True
+        for message in coalesced(arrived):
+            self._relay(message)
+        if gone:
             self._on_exit()
 
     def _relay(self, message: Any) -> None:
