@@ -12,6 +12,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,11 +22,10 @@ from exo.devtools.scripted_families import FAMILY_SCRIPTS, GET_WEATHER_TOOL
 from exo.devtools.scripted_models import make_scripted_model
 from exo.devtools.tiny_models import make_tiny_llama
 from exo.devtools.tiny_vlms import make_tiny_vlm
-from tests.node.test_download import MB, make_sharded_model
 from tests.support.cluster import Cluster, loopback_cluster
 from tests.support.fake_hub import FakeHub, running_fake_hub
 from tests.support.images import noise_png
-from tests.support.node import TINY_MODEL_ID, ExoNode, running_node
+from tests.support.node import TINY_MODEL_ID, ExoNode, start_node, stop_node
 
 CHROMIUM = "/usr/bin/chromium"
 THINKER = "scripted/qwen3-thinker"
@@ -40,13 +40,24 @@ SHOTS = Path(os.environ.get("EXO_TEST_ARTIFACTS", "/tmp/exo-dashboard-shots")) /
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
     root = tmp_path_factory.mktemp("hub")
-    make_sharded_model(root / HUB_MODEL.replace("/", "--"), big_shard_bytes=12 * MB)
-    with running_fake_hub(root, throttle_bytes_per_second=2 * MB) as fake:
+    make_tiny_llama(root / HUB_MODEL.replace("/", "--"))
+    # About 6 s for the model's 470 KB, so its progress can be watched.
+    with running_fake_hub(root, throttle_bytes_per_second=80_000) as fake:
         yield fake
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, hub: FakeHub) -> Iterator[Cluster]:
+def keyed_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[ExoNode]]:
+    """A node started with --api-key, starting in the background while the cluster does."""
+    home = tmp_path_factory.mktemp("keyed")
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(start_node, home, None, ("--api-key", "sesame"))
+        yield starting
+        stop_node(starting.result())
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, hub: FakeHub, keyed_node: Future[ExoNode]) -> Iterator[Cluster]:
     models = tmp_path_factory.mktemp("models")
     make_scripted_model(models / THINKER.replace("/", "--"), "qwen3", SCRIPT.script)
     make_tiny_llama(models / TINY_MODEL_ID.replace("/", "--"))
@@ -67,6 +78,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, hub: FakeHub) -> Iterator[
         for model in (VLM, TINY_MODEL_ID):
             assert nodes[0].post("/place_instance", json={"model_id": model}).status_code == 200
         yield nodes
+
+
+def node_name(node: ExoNode, node_id: str) -> str:
+    """The name the dashboard gives a node: its friendly name, with its short id when
+    another node has the same name."""
+    nodes = node.state()["nodes"]
+    name = nodes[node_id]["friendlyName"]
+    namesakes = [n for n in nodes.values() if n["friendlyName"] == name]
+    return f"{name} ({node_id[:8]})" if len(namesakes) > 1 else name
 
 
 def wait_serving(node: ExoNode, model_id: str) -> str:
@@ -243,8 +263,19 @@ def test_a_streamed_chat_shows_thinking_apart_and_sends_it_back(page: Page) -> N
     assert [c["title"] for c in stored] == ["Paris weather"] and len(stored[0]["messages"]) == 4
 
 
+def with_body(page: Page, extra: dict) -> None:
+    """Adds `extra` to the body of the chat requests the page sends from now on (a knob the
+    page has no control for: the answer still streams from the real node)."""
+
+    def add(route: Route) -> None:
+        route.continue_(post_data=json.dumps({**route.request.post_data_json, **extra}))
+
+    page.route("**/v1/chat/completions", add)
+
+
 def test_images_are_offered_for_a_vision_model_and_sent_as_parts(page: Page, cluster: Cluster) -> None:
     vlm_instance = wait_serving(cluster[0], VLM)
+    with_body(page, {"max_tokens": 8})  # the random VLM could write thousands
     goto(page, "chat")
     page.locator("#new-chat").click()
     expect(page.locator("#chat-model")).to_contain_text(VLM)
@@ -269,6 +300,7 @@ def test_images_are_offered_for_a_vision_model_and_sent_as_parts(page: Page, clu
     page.locator("#chat-model").select_option(THINKER)
     expect(page.locator("#attach-label")).to_be_hidden()
     expect(page.locator("#attachments img")).to_have_count(0)
+    page.unroute("**/v1/chat/completions")
     node = cluster[0]
     assert node.delete(f"/instance/{vlm_instance}").status_code == 200
     node.wait_for_state(lambda s: vlm_instance not in s["instances"], what="the VLM's instance gone")
@@ -323,12 +355,7 @@ def test_stop_ends_a_streaming_reply(page: Page, cluster: Cluster) -> None:
     """The tiny llama with its EOS banned (added to the page's request on its way out)
     writes until its context is full unless stopped."""
     eos = json.loads((cluster.models / TINY_MODEL_ID.replace("/", "--") / "config.json").read_text())["eos_token_id"]
-
-    def without_eos(route: Route) -> None:
-        body = route.request.post_data_json
-        route.continue_(post_data=json.dumps({**body, "logit_bias": {str(eos): -100}}))
-
-    page.route("**/v1/chat/completions", without_eos)
+    with_body(page, {"logit_bias": {str(eos): -100}})
     goto(page, "chat")
     page.locator("#new-chat").click()
     page.locator("#chat-model").select_option(TINY_MODEL_ID)
@@ -348,13 +375,17 @@ def test_stop_ends_a_streaming_reply(page: Page, cluster: Cluster) -> None:
     cluster[0].wait_for_state(lambda s: s["tasks"] == {}, timeout=15, what="no task left")
 
 
-def test_a_hub_download_shows_progress_and_is_cancelled_resumed_and_deleted(page: Page, hub: FakeHub) -> None:
+def test_a_hub_download_shows_progress_is_cancelled_resumed_placed_and_deleted(
+    page: Page, hub: FakeHub, cluster: Cluster
+) -> None:
+    node_id = cluster[0].node_id()
     goto(page, "models")
     page.locator("#hub-query").fill("hub-model")
     page.locator("#hub-form button").click()
     page.locator(f'.hub-row[data-model="{HUB_MODEL}"]').get_by_role("button").click()
     goto(page, "downloads")
-    row = page.locator(f'.dl-row[data-model="{HUB_MODEL}"]')
+    rows = page.locator(f'.dl-row[data-model="{HUB_MODEL}"]')
+    row = rows.and_(page.locator(f'[data-node="{node_id}"]'))
     expect(row.locator(".dl-eta")).to_contain_text("s left", timeout=20000)
     expect(row.locator(".dl-speed")).to_contain_text("/s")
     fraction = float(row.locator(".bar").get_attribute("aria-valuenow") or "0")
@@ -366,13 +397,27 @@ def test_a_hub_download_shows_progress_and_is_cancelled_resumed_and_deleted(page
     hub.throttle_bytes_per_second = None
     row.get_by_role("button", name="Resume").click()
     expect(row.locator(".dl-text")).to_contain_text("downloaded", timeout=30000)
-    page.once("dialog", lambda dialog: dialog.accept())
-    row.get_by_role("button", name="Delete").click()
-    expect(row).to_have_count(0, timeout=15000)
-    # No files left anywhere: the card added from the hub can go too.
+    # Downloaded, it is placed from the Models page, then stopped.
     goto(page, "models")
     page.locator("#model-search").fill(HUB_MODEL)
     card = page.locator(f'.model-row[data-model="{HUB_MODEL}"]')
+    expect(card).not_to_contain_text("not downloaded")
+    # On this node, where the files are: the option of the options table naming it alone.
+    card.get_by_role("button", name="Options").click()
+    alone = re.compile(f"^{re.escape(node_name(cluster[0], node_id))}$")
+    option = card.locator("table.previews tbody tr").filter(has=page.locator("td:first-child", has_text=alone))
+    option.filter(has_text="Pipeline").first.get_by_role("button", name="Place").click()
+    expect(card.locator(".badge.ok")).to_have_text("serving", timeout=60000)
+    card.get_by_role("button", name="Stop").click()
+    expect(card.locator(".model-actions").get_by_role("button", name="Place", exact=True)).to_be_visible(timeout=15000)
+    # The files on every node that holds them (the placed node took them from its peer).
+    goto(page, "downloads")
+    page.on("dialog", lambda dialog: dialog.accept())
+    for left in range(rows.count(), 0, -1):
+        rows.first.get_by_role("button", name="Delete").click()
+        expect(rows).to_have_count(left - 1, timeout=15000)
+    # No files left anywhere: the card added from the hub can go too.
+    goto(page, "models")
     card.get_by_role("button", name="Remove").click()
     expect(card).to_have_count(0, timeout=15000)
 
@@ -402,18 +447,18 @@ def test_every_page_at_desktop_and_phone_size_fits_with_no_console_error(
         assert console.errors == [], (size, console.errors)
 
 
-def test_the_api_key_prompt_keeps_the_key(browser: Browser, tmp_path: Path) -> None:
-    with running_node(tmp_path / "home", args=("--api-key", "sesame")) as node:
-        context = browser.new_context()
-        page = context.new_page()
-        page.goto(f"{node.url}/")
-        dialog = page.locator("#key-dialog")
-        expect(dialog).to_be_visible()
-        page.locator("#key-input").fill("sesame")
-        dialog.get_by_role("button", name="Save").click()
-        expect(page.locator("#connection")).to_have_text("online")
-        assert page.evaluate("localStorage.getItem('exo-api-key')") == "sesame"
-        page.reload()
-        expect(page.locator("#connection")).to_have_text("online")
-        expect(dialog).to_be_hidden()
-        context.close()
+def test_the_api_key_prompt_keeps_the_key(browser: Browser, keyed_node: Future[ExoNode]) -> None:
+    node = keyed_node.result()
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(f"{node.url}/")
+    dialog = page.locator("#key-dialog")
+    expect(dialog).to_be_visible()
+    page.locator("#key-input").fill("sesame")
+    dialog.get_by_role("button", name="Save").click()
+    expect(page.locator("#connection")).to_have_text("online")
+    assert page.evaluate("localStorage.getItem('exo-api-key')") == "sesame"
+    page.reload()
+    expect(page.locator("#connection")).to_have_text("online")
+    expect(dialog).to_be_hidden()
+    context.close()

@@ -42,7 +42,7 @@ export function renderInto(container, key, build) {
   const text = JSON.stringify(key);
   if (container.dataset.key === text) return;
   container.dataset.key = text;
-  container.replaceChildren(...build());
+  container.replaceChildren(...build().filter((child) => child !== null && child !== undefined));
 }
 
 // The API answers errors in its own shape: {"error": {"message": ...}}.

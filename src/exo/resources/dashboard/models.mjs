@@ -3,7 +3,7 @@
 // adding a model from the hub (GET /models/search, POST /models/add, /download/start);
 // the models dirs the nodes found models in.
 import { $, apiError, badge, el, renderInto } from "./dom.mjs";
-import { catalogRows, fitSummary, formatBytes, modelDirs, nodeName, previewRows } from "./view.mjs";
+import { catalogRows, fitSummary, formatBytes, modelDirs, nodeName, placementOption, previewRows } from "./view.mjs";
 
 const JSON_HEADERS = { "Content-Type": "application/json" };
 // Previews are asked again when the cluster's nodes or instances change, or after this.
@@ -54,13 +54,16 @@ function message(text) {
   $("models-message").textContent = text;
 }
 
+// On the nodes the chosen preview names; /place_instance (the master picks) without one.
 async function place(store, modelId, option) {
   message(`placing ${modelId}…`);
-  const response = await store.api("/place_instance", {
-    method: "POST",
-    headers: JSON_HEADERS,
-    body: JSON.stringify({ model_id: modelId, sharding: option.sharding, min_nodes: option.minNodes }),
-  });
+  const response = option.instance
+    ? await store.api("/instance", { method: "POST", headers: JSON_HEADERS, body: JSON.stringify({ instance: option.instance }) })
+    : await store.api("/place_instance", {
+        method: "POST",
+        headers: JSON_HEADERS,
+        body: JSON.stringify({ model_id: modelId, sharding: option.sharding, min_nodes: option.minNodes }),
+      });
   if (!response.ok) {
     message(await apiError(response));
     return;
@@ -121,7 +124,7 @@ function optionsTable(store, row, list) {
                     "button",
                     {
                       class: "small",
-                      onclick: () => place(store, row.id, { sharding: list[i].sharding, minNodes: list[i].nodeIds.length }),
+                      onclick: () => place(store, row.id, placementOption(list[i])),
                     },
                     "Place",
                   )

@@ -462,6 +462,12 @@ export function catalogRows(cards, state, search = "", show = "all") {
     .sort((a, b) => Number(b.serving) - Number(a.serving) || b.downloadedOn.length - a.downloadedOn.length || a.id.localeCompare(b.id));
 }
 
+// What placing one preview sends: the preview's own instance (POST /instance puts it on
+// exactly those nodes), with sharding and node count for /place_instance if it has none.
+export function placementOption(preview) {
+  return { sharding: preview.sharding, minNodes: preview.nodeIds.length, instance: preview.instance ?? null };
+}
+
 // One line from a model's /instance/previews: the smallest placement that fits, or why
 // none does (the closest option's reason).
 export function fitSummary(state, previews) {
@@ -471,7 +477,7 @@ export function fitSummary(state, previews) {
     const best = [...fitting].sort((a, b) => a.nodeIds.length - b.nodeIds.length)[0];
     const nodes = best.nodeIds.length;
     const on = nodes === 1 ? nodeName(state, best.nodeIds[0]) : `${nodes} nodes`;
-    return { fits: true, text: `fits on ${on} (${best.sharding})`, option: { sharding: best.sharding, minNodes: nodes } };
+    return { fits: true, text: `fits on ${on} (${best.sharding})`, option: placementOption(best) };
   }
   const reason = previews.find((p) => p.error)?.error ?? "no node can hold it";
   return { fits: false, text: withNodeNames(state, reason), option: null };
