@@ -146,6 +146,10 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
     assert [place["nodeId"] for place in row["downloadedOn"]] == [node_id]
     assert TINY_MODEL_ID in shown["downloadedCatalog"]
     assert shown["fit"]["fits"] and shown["fit"]["text"] == f"fits on {name} (Pipeline)"
+    # Placing it sends the preview's own instance: on exactly the nodes the preview names.
+    option = shown["fit"]["option"]
+    assert list(option["instance"]["shardAssignments"]["nodeToRunner"]) == [node_id]
+    assert option["sharding"] == "Pipeline" and option["minNodes"] == 1
     [download] = [d for d in shown["downloads"] if d["modelId"] == TINY_MODEL_ID]
     assert download["inUse"] and not download["canDelete"] and not download["canCancel"]
     [models_dir] = [d for d in shown["dirs"] if TINY_MODEL_ID in d["models"]]
