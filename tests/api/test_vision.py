@@ -148,7 +148,11 @@ def test_every_api_gives_the_same_answer(node: ExoNode, vlm_dir: Path, reference
                 "content": [
                     {
                         "type": "image",
-                        "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(data).decode()},
+                        "source": {
+                            "type": "base64",
+                            "media_type": "image/png",
+                            "data": base64.b64encode(data).decode(),
+                        },
                     },
                     {"type": "text", "text": QUESTION},
                 ],
@@ -183,6 +187,39 @@ def test_every_api_gives_the_same_answer(node: ExoNode, vlm_dir: Path, reference
     print(f"{family}: transformers' greedy answer {expected!r}; served {answers}")
     assert all(answer == expected for answer in answers.values()), answers
     assert claude.usage.input_tokens == len(references[family, "second"][0])
+
+
+# What each family's chat template writes for an image; Ollama's raw prompts mark the
+# image's place as [img-N] instead.
+PLACEHOLDERS = {"gemma4": "<|image|>", "qwen": "<|vision_start|><|image_pad|><|vision_end|>"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ollama_raw_generate_takes_images(node: ExoNode, vlm_dir: Path, references, family: str) -> None:
+    """generate with raw: true and images: the raw prompt is the chat template's text with
+    the image's placeholder written as [img-0], so the greedy answer is the chat one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir / VLM_MODELS[family].replace("/", "--"))
+    content = [{"type": "image"}, {"type": "text", "text": QUESTION}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    placeholder = PLACEHOLDERS["gemma4" if family.startswith("gemma4") else "qwen"]
+    assert text.count(placeholder) == 1
+    raw = text.replace(placeholder, "[img-0]")
+    data = IMAGES["second"]
+    answer = ollama.Client(host=f"{node.url}/ollama").generate(
+        model=VLM_MODELS[family],
+        prompt=raw,
+        raw=True,
+        images=[base64.b64encode(data).decode()],
+        options={"temperature": 0, "num_predict": STEPS},
+    )
+    expected = _greedy_text(vlm_dir, family, references[family, "second"])
+    print(f"{family}: raw generate {answer.response!r}, transformers {expected!r}")
+    assert answer.response == expected
+    assert answer.prompt_eval_count == len(references[family, "second"][0])
 
 
 class _ImageServer(http.server.BaseHTTPRequestHandler):
@@ -245,7 +282,9 @@ def test_bad_images_are_a_400_naming_the_problem(node: ExoNode, image_server: st
             "messages": [
                 {
                     "role": "user",
-                    "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}],
+                    "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+                    ],
                 }
             ],
         },

@@ -346,7 +346,12 @@ class MlxEngine:
         if not params.images:
             return None
         held = self._held_images.pop(request_id, [])
-        vision = self.vision.prepare(prompt, images_of(params, held)) if self.vision is not None else None
+        vision = None
+        if self.vision is not None:
+            images = images_of(params, held)
+            if isinstance(params.prompt, str):
+                prompt, images = self.vision.raw_prompt(self.tokenizer, params.prompt, images)
+            vision = self.vision.prepare(prompt, images)
         if self.group is not None:
             vision = share_prompt(vision, self.group, generation_stream)
         return vision

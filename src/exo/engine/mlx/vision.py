@@ -17,6 +17,7 @@ Qwen3-VL's tower also gives DeepStack features, added after the first decoder la
 
 import io
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,10 +214,34 @@ class VisionEncoder:
         self._encode = encode
         self.rope_positions = rope_positions
         self.embed_scale = 1.0
+        # What a chat template writes for an image (the Qwen family wraps its pad token).
+        start, end = config.get("vision_start_token_id"), config.get("vision_end_token_id")
+        self.placeholder = [self.image_token_id]
+        if start is not None and end is not None:
+            self.placeholder = [int(start), self.image_token_id, int(end)]
 
     def bind(self, inner: Any) -> None:
         """Takes the language model's embedding scale (Gemma multiplies its inputs by it)."""
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
+
+    def raw_prompt(
+        self, tokenizer: Any, text: str, images: list[tuple[str, bytes]]
+    ) -> tuple[list[int], list[tuple[str, bytes]]]:
+        """A raw prompt's tokens with each image's placeholder where Ollama's `[img-N]`
+        tag names it (images no tag names go first, as a message's do), and the images
+        in the order their placeholders come."""
+        pieces = _IMAGE_TAG.split(text)
+        tagged = [int(number) for number in pieces[1::2]]
+        if any(number >= len(images) for number in tagged) or len(set(tagged)) < len(tagged):
+            raise ValueError(f"the prompt's image tags {tagged} do not name each of its {len(images)} images once")
+        untagged = [number for number in range(len(images)) if number not in tagged]
+        tokens = self.placeholder * len(untagged)
+        for index, piece in enumerate(pieces):
+            if index % 2:
+                tokens += self.placeholder
+            elif piece:
+                tokens += tokenizer.encode(piece, add_special_tokens=False)
+        return tokens, [images[number] for number in [*untagged, *tagged]]
 
     def prepare(self, prompt: list[int], images: list[tuple[str, bytes]]) -> VisionPrompt:
         """Expands each image placeholder of `prompt` (in order) into its run of soft tokens."""
@@ -258,6 +283,10 @@ class VisionEncoder:
             positions=_rope_positions(len(tokens), runs) if self.rope_positions else None,
             whole_runs=self.whole_runs,
         )
+
+
+# Ollama's mark of where image N goes in a raw prompt.
+_IMAGE_TAG = re.compile(r"\[img-(\d+)\]")
 
 
 def _hash_token(sha256: str) -> int:
