@@ -171,6 +171,7 @@ class Node:
         self.router.publish(Topic.CHUNKS, chunk)
 
     async def _on_elected(self, master_id: NodeId) -> None:
+        self.replica.master_id = master_id
         if master_id == self.node_id and self.master is None:
             logger.info(f"node {self.node_id} is now the master")
             self.master = Master(

@@ -91,3 +91,16 @@ def test_reading_stops_at_an_index_gap(log_path: Path):
     read, intact_bytes = read_event_log(log_path)
     assert read == events(2)
     assert intact_bytes == sum(len(e.model_dump_json()) + 1 for e in events(2))
+
+
+def test_a_rewritten_log_holds_exactly_the_new_history_and_takes_appends(log_path: Path):
+    # A node that adopts the master's history after a partition rewrites its log.
+    log = EventLog(log_path)
+    for event in events(6):
+        log.append(event)
+    master_history = events(3) + [IndexedEvent(idx=3, event=TaskDeleted(task_id=TaskId("from-the-master")))]
+    log.rewrite(master_history)
+    log.append(events(1, start=4)[0])
+    log.close()
+    assert reopen(log_path) == [*master_history, *events(1, start=4)]
+    assert not log_path.with_suffix(".rewrite").exists()

@@ -12,6 +12,7 @@ from exo.routing.router import Router, Topic
 from exo.shared.apply import apply
 from exo.shared.event_log import EventLog
 from exo.shared.types.commands import RequestEventLog
+from exo.shared.types.common import NodeId
 from exo.shared.types.events import IndexedEvent
 from exo.shared.types.state import State
 
@@ -27,7 +28,9 @@ class StateReplica:
         for indexed in self.log.events:
             self.state = apply(self.state, indexed)
             self.history.append(indexed)
-        self._events = router.subscribe(Topic.GLOBAL_EVENTS)
+        self._events = router.subscribe_with_origin(Topic.GLOBAL_EVENTS)
+        # The elected master (set by the node): after a partition heals, its history wins.
+        self.master_id: NodeId | None = None
         self._early: dict[int, IndexedEvent] = {}
         self._gap_requested_at = -2
         self._gap_requested_time = 0.0
@@ -40,15 +43,24 @@ class StateReplica:
     async def run(self) -> None:
         while True:
             try:
-                indexed = await asyncio.wait_for(self._events.get(), timeout=GAP_RETRY_SECONDS)
+                origin, indexed = await asyncio.wait_for(self._events.get(), timeout=GAP_RETRY_SECONDS)
             except TimeoutError:
                 self._request_missing()
                 continue
-            self.receive(indexed)
+            self.receive(indexed, origin)
 
-    def receive(self, indexed: IndexedEvent) -> None:
-        """Take an event from the master; events may arrive out of order or twice."""
+    def receive(self, indexed: IndexedEvent, origin: NodeId | None = None) -> None:
+        """Take an event from the master; events may arrive out of order or twice. One
+        the elected master holds at an index where this node's history differs means the
+        two wrote apart (each side of a partition elected its own master): this node
+        drops its history from there and takes the master's. Once a master is elected,
+        events from any other node (a master that lost its election and has not yet
+        heard so) are not taken."""
+        if origin is not None and self.master_id is not None and origin != self.master_id:
+            return
         if indexed.idx <= self.state.last_event_applied_idx:
+            if origin is not None and origin == self.master_id and self.history[indexed.idx] != indexed:
+                self._adopt_from(indexed)
             return
         self._early[indexed.idx] = indexed
         applied = False
@@ -69,11 +81,30 @@ class StateReplica:
             and now - self._gap_requested_time < GAP_RETRY_SECONDS
         ):
             return
-        since = self.state.last_event_applied_idx + 1
+        # One event back, so a history that went apart is seen in the overlap.
+        since = max(self.state.last_event_applied_idx, 0)
         logger.debug(f"missing events from {since}; asking the master")
         self._gap_requested_at = self.state.last_event_applied_idx
         self._gap_requested_time = now
         self.router.publish(Topic.COMMANDS, RequestEventLog(since_idx=since))
+
+    def _adopt_from(self, indexed: IndexedEvent) -> None:
+        """Cut the history before `indexed`, take it, and ask the master for its whole
+        log: an earlier difference shows in the replay and cuts again."""
+        kept = self.history[: indexed.idx]
+        logger.warning(
+            f"event {indexed.idx} differs from the master's: dropping {len(self.history) - len(kept)} event(s) "
+            f"this node applied apart from it and taking the master's history"
+        )
+        state = State()
+        for event in kept:
+            state = apply(state, event)
+        self.state, self.history = state, list(kept)
+        self.log.rewrite(self.history)
+        self._early = {i: e for i, e in self._early.items() if i > indexed.idx}
+        self._accept(indexed)
+        self._notify()
+        self.router.publish(Topic.COMMANDS, RequestEventLog(since_idx=0))
 
     def append(self, indexed: IndexedEvent) -> None:
         """The master's own path: durable on disk before anyone else hears of it."""

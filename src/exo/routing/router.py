@@ -64,6 +64,7 @@ class Router:
         self.node_id = node_id
         self.transport = transport
         self._subscribers: dict[Topic, list[asyncio.Queue[Any]]] = {}
+        self._origin_subscribers: dict[Topic, list[asyncio.Queue[tuple[NodeId, Any]]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         # Messages for the master, held until one is elected.
         self._held: list[tuple[Topic, Any]] | None = []
@@ -86,6 +87,12 @@ class Router:
         self._subscribers.setdefault(topic, []).append(queue)
         return queue
 
+    def subscribe_with_origin(self, topic: Topic) -> asyncio.Queue[tuple[NodeId, Any]]:
+        """Like subscribe, each message with the node that published it."""
+        queue: asyncio.Queue[tuple[NodeId, Any]] = asyncio.Queue()
+        self._origin_subscribers.setdefault(topic, []).append(queue)
+        return queue
+
     def unsubscribe(self, topic: Topic, queue: asyncio.Queue[Any]) -> None:
         subscribers = self._subscribers.get(topic, [])
         if queue in subscribers:
@@ -95,14 +102,16 @@ class Router:
         if self._held is not None and topic in TO_MASTER:
             self._held.append((topic, message))
             return
-        self._deliver(topic, message)
+        self._deliver(topic, message, self.node_id)
         if self.transport is not None:
             body = adapter(topic).dump_json(message, by_alias=True)
             self.transport.send(topic, b'{"origin":' + json.dumps(self.node_id).encode() + b',"body":' + body + b"}")
 
-    def _deliver(self, topic: Topic, message: Any) -> None:
+    def _deliver(self, topic: Topic, message: Any, origin: NodeId) -> None:
         for queue in self._subscribers.get(topic, []):
             queue.put_nowait(message)
+        for origin_queue in self._origin_subscribers.get(topic, []):
+            origin_queue.put_nowait((origin, message))
 
     def _on_remote(self, topic: Topic, payload: bytes) -> None:
         """Called on a transport thread."""
@@ -119,7 +128,7 @@ class Router:
                 )
             return
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._deliver, topic, message)
+            self._loop.call_soon_threadsafe(self._deliver, topic, message, NodeId(envelope["origin"]))
 
     def close(self) -> None:
         if self.transport is not None:

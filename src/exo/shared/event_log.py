@@ -27,6 +27,18 @@ class EventLog:
         # at no noticeable cost.
         os.fsync(self._file.fileno())
 
+    def rewrite(self, events: list[IndexedEvent]) -> None:
+        """Replace the log with `events` (a node adopting the master's history after a
+        partition): written to a new file, fsynced, then renamed over the old one."""
+        self._file.close()
+        fresh = self.path.with_suffix(".rewrite")
+        with fresh.open("wb") as file:
+            file.write(b"".join(event.model_dump_json().encode() + b"\n" for event in events))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(fresh, self.path)
+        self._file = self.path.open("ab")
+
     def close(self) -> None:
         self._file.close()
 

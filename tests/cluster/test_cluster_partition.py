@@ -1,0 +1,81 @@
+"""A network partition and its heal, in network namespaces: one node is cut off from the
+other two (blackhole routes both ways; the test process still reaches every API over the
+bridge). Each side elects its own master and accepts a command; after the heal there is
+one master, every node's State is the same, and every node holds the same history, each
+index once. The side whose master lost the election drops what it wrote apart (here the
+card added to it) and takes the winner's history."""
+
+import subprocess
+import time
+
+from tests.support.cluster import ClusterNode, describe, netns_cluster, wait_converged
+
+
+def card(model_id: str) -> dict:
+    return {
+        "model_id": model_id,
+        "n_layers": 2,
+        "hidden_size": 64,
+        "tasks": ["TextGeneration"],
+        "context_length": 4096,
+        "storage_size": {"in_bytes": 500000},
+    }
+
+
+def blackhole(node: ClusterNode, other: ClusterNode, action: str) -> None:
+    assert node.netns is not None
+    subprocess.run(["ip", "-n", node.netns, "route", action, "blackhole", f"{other.host}/32"], check=True)
+
+
+def cut(lone: ClusterNode, others: list[ClusterNode], action: str) -> None:
+    for other in others:
+        blackhole(lone, other, action)
+        blackhole(other, lone, action)
+
+
+def test_a_partition_heals_into_one_master_and_one_history(tmp_path):
+    with netns_cluster(3, tmp_path) as nodes:
+        states = wait_converged(nodes, timeout=60)
+        ids = {node.node_id(): node for node in nodes}
+        master = ids[states[0]["masterNodeId"]]
+        lone = next(node for node in nodes if node is not master)
+        rest = [node for node in nodes if node is not lone]
+        lone_id = lone.node_id()
+
+        cut(lone, rest, "add")
+        try:
+            lone.wait_for_state(lambda s: s["masterNodeId"] == lone_id, timeout=30, what="the lone node elects itself")
+            master.wait_for_state(lambda s: lone_id not in s["nodes"], timeout=30, what="the others drop it")
+            assert master.post("/models", json=card("acme/majority")).status_code == 200
+            assert lone.post("/models", json=card("acme/minority")).status_code == 200
+            lone.wait_for_state(lambda s: "acme/minority" in s["customModelCards"], what="minority card")
+            master.wait_for_state(lambda s: "acme/majority" in s["customModelCards"], what="majority card")
+            apart = [node.get("/events").json() for node in nodes]
+        finally:
+            cut(lone, rest, "del")
+
+        states = wait_converged(nodes, timeout=60)
+        # Settle: the views agree for a while (a late election would change them).
+        time.sleep(3)
+        states = wait_converged(nodes, timeout=30)
+        assert len({s["masterNodeId"] for s in states}) == 1, describe(nodes, states)
+        winner = ids[states[0]["masterNodeId"]]
+        assert states[1] == states[0] and states[2] == states[0]
+        logs = [node.get("/events").json() for node in nodes]
+        shared = min(len(log) for log in logs)
+        assert all(log[:shared] == logs[0][:shared] for log in logs)
+        for log in logs:
+            assert [e["idx"] for e in log] == list(range(len(log)))  # no gap, none twice
+        # The winner's side kept its history; the other side's was replaced by it.
+        winner_apart = apart[nodes.index(winner)]
+        assert logs[nodes.index(winner)][: len(winner_apart)] == winner_apart
+        cards = set(states[0]["customModelCards"])
+        kept = "acme/minority" if winner is lone else "acme/majority"
+        assert kept in cards, cards
+
+        # One master takes commands now: a card added through any node is in every State once.
+        assert lone.post("/models", json=card("acme/after")).status_code == 200
+        for node in nodes:
+            node.wait_for_state(lambda s: "acme/after" in s["customModelCards"], timeout=15, what="card after heal")
+        added = [e for e in winner.get("/events").json() if e["event"].get("card", {}).get("model_id") == "acme/after"]
+        assert len(added) == 1
