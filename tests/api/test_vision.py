@@ -23,7 +23,7 @@ import openai
 import pytest
 from PIL import Image
 
-from exo.devtools.tiny_vlms import vlm_reference
+from exo.devtools.tiny_vlms import make_tiny_vlm, mlx_vlm_reference, vlm_reference
 from tests.support.images import VLM_MODELS, VLM_QUESTION, noise_png, vlm_models_dir
 from tests.support.node import ExoNode, running_node
 
@@ -41,9 +41,14 @@ PREFILL_STEP = 32
 IMAGES = {"first": noise_png(1), "second": noise_png(2)}
 
 
+QUANTIZED_ID = "acme/gemma4-vlm-tiny-4bit"
+
+
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return vlm_models_dir(tmp_path_factory.mktemp("vlm-models"))
+    root = vlm_models_dir(tmp_path_factory.mktemp("vlm-models"))
+    make_tiny_vlm(root / QUANTIZED_ID.replace("/", "--"), "gemma4_vlm_4bit")
+    return root
 
 
 Reference = tuple[list[int], list[list[float]]]
@@ -220,6 +225,22 @@ def test_ollama_raw_generate_takes_images(node: ExoNode, vlm_dir: Path, referenc
     print(f"{family}: raw generate {answer.response!r}, transformers {expected!r}")
     assert answer.response == expected
     assert answer.prompt_eval_count == len(references[family, "second"][0])
+
+
+def test_a_quantized_gemma4_vlm_serves_images(node: ExoNode, vlm_dir: Path) -> None:
+    """The tiny Gemma 4 VLM quantized by mlx-vlm's own convert, its vision tower and
+    projector too (4-bit, groups of 32), in mlx-vlm's weight layout (language_model.model.,
+    vision_tower., embed_vision.). transformers cannot read MLX quantization, so the
+    reference is mlx-vlm's whole model on the same checkpoint (unquantized, for this
+    layout, it equals transformers within 1e-4)."""
+    data = IMAGES["first"]
+    path = vlm_dir / QUANTIZED_ID.replace("/", "--")
+    ids, logprobs = mlx_vlm_reference(path, QUESTION, Image.open(io.BytesIO(data)))
+    completion = _ask(node, _data_url(data), model=QUANTIZED_ID)
+    diff = _first_token_diff(completion, logprobs)
+    print(f"quantized gemma4: max |logprob diff| vs mlx-vlm {diff}")
+    assert diff <= TOLERANCE
+    assert completion.usage.prompt_tokens == len(ids)
 
 
 class _ImageServer(http.server.BaseHTTPRequestHandler):

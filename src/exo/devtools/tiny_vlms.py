@@ -131,7 +131,10 @@ QWEN3_VL_TEXT = {
 # (as the real [24, 20, 20] leaves time the tail).
 QWEN3_VL_ROPE = {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}
 
-TINY_VLMS = ("gemma4_vlm", "gemma4_moe_vlm", "qwen2_5_vl", "qwen3_vl")
+TINY_VLMS = ("gemma4_vlm", "gemma4_moe_vlm", "qwen2_5_vl", "qwen3_vl", "gemma4_vlm_4bit")
+# The quantized one: every linear and embedding (vision tower and projector included)
+# 4-bit in groups of 32.
+QUANTIZED_BITS, QUANTIZED_GROUP = 4, 32
 
 
 def _write_vlm_tokenizer(path: Path, tokens: dict[str, str], placeholder: str) -> dict[str, int]:
@@ -311,7 +314,61 @@ def _write_qwen_processor(path: Path, processor_class: str, vision: dict[str, An
     (Path(path) / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
 
 
+def make_tiny_quantized_gemma4_vlm(path: Path, seed: int = 0) -> Path:
+    """The E2B/E4B-layout Gemma 4 VLM quantized by mlx-vlm's own convert, the vision
+    tower and projector too (its default leaves them float), in mlx-vlm's layout
+    (language_model.model., vision_tower., embed_vision.)."""
+    import tempfile
+
+    import mlx.nn as nn
+    from mlx_vlm.convert import convert
+
+    def every_linear(_path: str, module: Any) -> bool:
+        linear = isinstance(module, (nn.Linear, nn.Embedding))
+        return linear and module.weight.shape[-1] % QUANTIZED_GROUP == 0
+
+    with tempfile.TemporaryDirectory() as scratch:
+        source = make_tiny_gemma4_vlm(Path(scratch) / "float", seed)
+        convert(
+            str(source),
+            mlx_path=str(path),
+            quantize=True,
+            q_group_size=QUANTIZED_GROUP,
+            q_bits=QUANTIZED_BITS,
+            quant_predicate=every_linear,  # pyright: ignore[reportArgumentType]
+        )
+    # convert writes its processor's defaults (the real patch size and budget) as
+    # processor_config.json, which would override the tiny preprocessor_config.json.
+    (Path(path) / "processor_config.json").unlink(missing_ok=True)
+    return Path(path)
+
+
+def mlx_vlm_reference(path: Path, question: str, image: Any) -> tuple[list[int], list[float]]:
+    """For a checkpoint transformers cannot read (MLX-quantized): the prompt ids as
+    gemma4_reference builds them and mlx-vlm's whole model's first-token logprobs."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor
+    from mlx_vlm.utils import load
+    from transformers import AutoTokenizer
+
+    processor = Gemma4ImageProcessor.from_pretrained(str(path))
+    batch, counts = processor(images=[image], return_tensors="np")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    run = GEMMA4_TOKENS["image_token"] * int(counts[0])
+    text = _user_turn(tokenizer, question).replace(
+        GEMMA4_TOKENS["image_token"], GEMMA4_TOKENS["boi_token"] + run + GEMMA4_TOKENS["eoi_token"]
+    )
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    model, _ = load(str(path))
+    logits = model(mx.array(ids)[None], pixel_values=mx.array(np.asarray(batch["pixel_values"]))).logits
+    last = logits[0, -1].astype(mx.float32)
+    return ids, (last - mx.logsumexp(last)).tolist()
+
+
 def make_tiny_vlm(path: Path, name: str, seed: int = 0) -> Path:
+    if name == "gemma4_vlm_4bit":
+        return make_tiny_quantized_gemma4_vlm(path, seed)
     if name == "gemma4_moe_vlm":
         return make_tiny_gemma4_vlm(path, seed, layout="26b")
     makers = {"gemma4_vlm": make_tiny_gemma4_vlm, "qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl}
