@@ -18,6 +18,28 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
+# The llama.cpp engine on Linux, built from source once (about 10 minutes on 2 cores) with
+# ggml's RPC backend (splits across nodes) and kept as a wheel in a cache named by the
+# build flags, so a fresh clone on the same machine installs it in seconds. On x86 the
+# build is native minus AMX: some VMs list AMX but fault on its tile instructions.
+LLAMA_CPP_VERSION=0.3.36
+install_llama_cpp() {
+  local flags="-DGGML_RPC=ON"
+  if [ "$(uname -m)" = x86_64 ]; then
+    local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    flags="$flags -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'"
+  fi
+  local key
+  key=$(printf '%s %s %s' "$LLAMA_CPP_VERSION" "$flags" "$(.venv/bin/python -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-16)
+  local wheels="${XDG_CACHE_HOME:-$HOME/.cache}/exo/wheels/llama-cpp-$key"
+  if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    echo "building llama-cpp-python $LLAMA_CPP_VERSION (once, about 10 minutes)..." >&2
+    mkdir -p "$wheels"
+    CMAKE_ARGS="$flags" .venv/bin/python -m pip wheel --quiet --no-deps --no-cache-dir \
+      -w "$wheels" "llama-cpp-python==$LLAMA_CPP_VERSION"
+  fi
+  .venv/bin/python -m pip install --quiet --find-links "$wheels" "llama-cpp-python==$LLAMA_CPP_VERSION"
+}
 # One stamp per mode, so a runtime-only venv still gets the test extras when the tests
 # first run; a test install covers the runtime one too. pip runs again when
 # pyproject.toml is newer than the stamp.
@@ -25,9 +47,7 @@ stamp=".venv/.exo-installed-$mode"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   if [ "$(uname -s)" = Linux ]; then
-    # The llama.cpp engine, built from source with ggml's RPC backend (splits across
-    # nodes): about 10 minutes once, then pip reuses the wheel it cached.
-    CMAKE_ARGS="-DGGML_RPC=ON" .venv/bin/python -m pip install --quiet "llama-cpp-python>=0.3.36"
+    install_llama_cpp
   fi
   .venv/bin/python -m pip install --quiet -e "$target"
   touch "$stamp"
