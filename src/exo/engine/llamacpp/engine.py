@@ -31,6 +31,7 @@ from exo.engine.base import LayerProgress
 from exo.engine.constrained import GrammarMask, grammar_for, grammar_tokenizer
 from exo.engine.detokenizer import StreamingDetokenizer
 from exo.engine.encoding.chat_prompt import encode_prompt
+from exo.engine.limits import DEFAULT_MAX_TOKENS, MAX_BATCH, PREFILL_STEP
 from exo.engine.llamacpp import rpc
 from exo.engine.llamacpp.gguf_convert import gguf_for
 from exo.engine.llamacpp.native import Context, Model
@@ -50,9 +51,6 @@ from exo.shared.types.text_generation import (
     Usage,
 )
 
-DEFAULT_MAX_TOKENS = 1024
-PREFILL_STEP = int(os.environ.get("EXO_PREFILL_STEP", "512"))
-MAX_BATCH = int(os.environ.get("EXO_MAX_BATCH", "8"))
 # Finished requests' sequences kept for the prefix cache, beside the running ones.
 KEPT_SEQUENCES = int(os.environ.get("EXO_PREFIX_CACHE_ENTRIES", "8"))
 # KV cells of the context (all sequences together): the card's context, at most this.

@@ -10,7 +10,6 @@ request finishes. mlx-lm's own stop and length checks are switched off (no stop
 sequences, a max that is never reached) so the batch's membership is the engine's alone:
 on a split instance every rank then keeps the same rows in the same order."""
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,7 +21,6 @@ from mlx_lm.models.cache import KVCache
 from exo.shared.types.common import CommandId
 
 # Requests prefilling or decoding at once on an instance; later ones wait in arrival order.
-MAX_BATCH = int(os.environ.get("EXO_MAX_BATCH", "8"))
 
 _NEVER = 1 << 62  # mlx-lm's per-row max_tokens: the engine finishes requests itself
 

@@ -9,7 +9,6 @@ and tool calls from the answer."""
 
 import json
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +25,8 @@ from pydantic import Field, TypeAdapter
 
 from exo.engine.answer import AnswerStream, output_parser_for
 from exo.engine.base import LayerProgress
-from exo.engine.mlx.batching import MAX_BATCH, DecodeBatch, can_batch
+from exo.engine.limits import DEFAULT_MAX_TOKENS, MAX_BATCH, PREFILL_STEP
+from exo.engine.mlx.batching import DecodeBatch, can_batch
 from exo.engine.mlx.chat_template import detected_think_markers, encode_prompt
 from exo.engine.mlx.constrained import GrammarProcessor, grammar_for, grammar_tokenizer
 from exo.engine.mlx.loading import load_shard
@@ -56,10 +56,6 @@ from exo.shared.types.text_generation import (
     TopLogprob,
     Usage,
 )
-
-DEFAULT_MAX_TOKENS = 1024
-# Prompt tokens per prefill step: progress and cancellations land between steps.
-PREFILL_STEP = int(os.environ.get("EXO_PREFILL_STEP", "512"))
 
 
 class StartRequest(FrozenModel):
