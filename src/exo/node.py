@@ -111,6 +111,7 @@ class Node:
                 offline=config.offline,
                 peer_token=config.peer_token,
                 engine=config.engine,
+                sealed=bool(config.cluster_secret),
             )
             if config.run_worker
             else None

@@ -878,3 +878,32 @@ def test_a_local_vlm_dirs_card_counts_its_vision_weights(tmp_path):
             expected = sum(weights.get_tensor(key).nbytes for key in weights.keys() if key.startswith(prefixes))
         card = card_from_model_dir(path, f"acme/{name}")
         assert 0 < card.vision_bytes == expected < card.storage_size.in_bytes
+
+
+def sealed(state: State) -> State:
+    nodes = {node_id: info.model_copy(update={"sealed": True}) for node_id, info in state.nodes.items()}
+    return state.model_copy(update={"nodes": nodes})
+
+
+def test_with_a_cluster_secret_a_llamacpp_split_runs_mlx_and_the_preview_says_why():
+    # ggml's RPC port has no authentication; the secret seals the MLX ring, not it.
+    state = sealed(with_engines(fully_linked(a=30, b=30), a="llamacpp", b="llamacpp"))
+    llama = make_card(weights_gib=1).model_copy(update={"family": "llama", "quantization": "4bit"})
+    assert place_instance(state, llama).engine == EngineKind.LlamaCpp  # one node: no RPC
+    split = two_node_preview(state, llama, Sharding.Pipeline)
+    assert split.instance is not None and split.instance.engine == EngineKind.Mlx
+    assert "cluster secret" in (split.engine_reason or "") and "unauthenticated" in (split.engine_reason or "")
+    # A hand-built llama.cpp split is refused under the secret, allowed without it.
+    hand_built = split.instance.model_copy(update={"engine": EngineKind.LlamaCpp})
+    assert "cluster secret" in (instance_problem(state, hand_built) or "")
+    open_state = with_engines(fully_linked(a=30, b=30), a="llamacpp", b="llamacpp")
+    assert instance_problem(open_state, hand_built) is None
+    assert two_node_preview(open_state, llama, Sharding.Pipeline).engine_reason is None
+
+
+def test_the_preview_says_why_an_instance_on_llamacpp_nodes_runs_mlx():
+    state = with_engines(fully_linked(a=30, b=30), a="llamacpp", b="llamacpp")
+    gemma = make_card(weights_gib=1).model_copy(update={"family": "gemma4", "quantization": "4bit"})
+    (preview, *_) = [p for p in instance_previews(state, gemma, Sharding.Pipeline) if p.instance is not None]
+    assert preview.instance is not None and preview.instance.engine == EngineKind.Mlx
+    assert (preview.engine_reason or "").startswith("runs on MLX: ")

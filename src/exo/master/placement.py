@@ -11,7 +11,7 @@ more free memory.
 from collections.abc import Iterable, Iterator
 from itertools import combinations
 
-from exo.engine.llamacpp.support import instance_engine
+from exo.engine.llamacpp.support import mlx_reason
 from exo.shared.models.families import family_facts
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.common import (
@@ -79,6 +79,9 @@ class PlacementPreview(FrozenModel):
     context_length: int | None = None
     instance: Instance | None = None
     error: str | None = None
+    # Why the instance runs MLX on nodes that run llama.cpp (a family llama.cpp lacks, a
+    # split under a cluster secret); None when it runs its nodes' engine.
+    engine_reason: str | None = None
 
 
 def place_instance(
@@ -268,7 +271,7 @@ def _preview(
         reason
         for reason in (
             no_ring_reason,
-            _engine_reason(state, ring),
+            _mixed_engines_reason(state, ring),
             _structure_reason(card, sharding, n),
             _memory_reason(card, context, ring, layer_ranges, needed, available, sharding),
         )
@@ -285,11 +288,24 @@ def _preview(
     if reasons:
         return preview.model_copy(update={"error": "; ".join(reasons)})
     instance = _build_instance(card, sharding, ring, layer_ranges, _ring_hosts(state, links, ring))
-    engine = instance_engine(state.nodes[ring[0]].engine, card, sharding)
-    return preview.model_copy(update={"instance": instance.model_copy(update={"engine": engine})})
+    engine, engine_reason = _instance_engine(state, card, sharding, ring)
+    instance = instance.model_copy(update={"engine": engine})
+    return preview.model_copy(update={"instance": instance, "engine_reason": engine_reason})
 
 
-def _engine_reason(state: State, ring: list[NodeId]) -> str | None:
+def _instance_engine(
+    state: State, card: ModelCard, sharding: Sharding, ring: list[NodeId]
+) -> tuple[EngineKind, str | None]:
+    """The engine the instance runs (its nodes', or MLX where llama.cpp cannot serve it),
+    and why it is MLX on llama.cpp nodes."""
+    if state.nodes[ring[0]].engine != EngineKind.LlamaCpp:
+        return EngineKind.Mlx, None
+    sealed = any(state.nodes[node_id].sealed for node_id in ring)
+    reason = mlx_reason(card, sharding, len(ring), sealed)
+    return (EngineKind.Mlx, reason) if reason is not None else (EngineKind.LlamaCpp, None)
+
+
+def _mixed_engines_reason(state: State, ring: list[NodeId]) -> str | None:
     """An instance's ranks run one engine: nodes that run different ones cannot share one."""
     engines = {node_id: state.nodes[node_id].engine for node_id in ring}
     if len(set(engines.values())) < 2:
@@ -531,4 +547,6 @@ def instance_problem(state: State, instance: Instance) -> str | None:
         others = [n for n in assignments.node_to_runner if state.nodes[n].engine != EngineKind.LlamaCpp]
         if others:
             return f"engine llamacpp, but node(s) {', '.join(others)} do not run it"
+        if len(shards) > 1 and any(state.nodes[n].sealed for n in assignments.node_to_runner):
+            return "a llama.cpp split under a cluster secret: its RPC port is unauthenticated; use engine mlx"
     return None

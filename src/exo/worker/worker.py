@@ -57,6 +57,7 @@ from exo.worker.download.verify import PARTIAL_SUFFIX
 from exo.worker.images import peer_api, with_image_bytes
 from exo.worker.link_probes import PROBE_TIMEOUT_SECONDS, local_interfaces, probe_peer, worth_reporting
 from exo.worker.planner import (
+    AbandonRunner,
     CancelModelDownload,
     CancelTask,
     CreateRunner,
@@ -95,9 +96,11 @@ class Worker:
         offline: bool = False,
         peer_token: str | None = None,
         engine: EngineKind = EngineKind.Mlx,
+        sealed: bool = False,
     ) -> None:
         self.node_id = node_id
         self.engine = engine
+        self.sealed = sealed  # its cluster messages are sealed by a cluster secret
         # Presented on the other nodes' peer endpoints when their API needs a key.
         self.peer_token = peer_token
         self.router = router
@@ -162,7 +165,7 @@ class Worker:
             # Report again when the cluster has forgotten this node (it timed out, or its
             # first report went out before there was a master), or memory moved a lot.
             if known is None or due:
-                info = gather_node_info(self.node_id, self.exo_home, self.api_port, self.engine)
+                info = gather_node_info(self.node_id, self.exo_home, self.api_port, self.engine, self.sealed)
                 moved = (
                     known is not None
                     and abs(info.memory.available_bytes - known.memory.available_bytes) > MEMORY_REPORT_THRESHOLD_BYTES
@@ -246,6 +249,9 @@ class Worker:
                 await supervisor.shutdown()
                 self.forwarded.pop(runner_id, None)
                 self.exited_at.pop(runner_id, None)
+            case AbandonRunner(runner_id=runner_id, reason=reason):
+                logger.warning(f"runner {runner_id}: {reason}; stopping it so the instance can restart")
+                self.supervisors[runner_id].abandon(reason)
             case ReportRingPortTaken(instance_id=instance_id, runner_id=runner_id):
                 instance = state.instances[instance_id]
                 host = own_ring_host(instance, runner_id)
@@ -447,7 +453,7 @@ def _completed(model_dir: Path, layers: tuple[int, int] | None) -> DownloadCompl
 
 
 def gather_node_info(
-    node_id: NodeId, exo_home: Path, api_port: int, engine: EngineKind = EngineKind.Mlx
+    node_id: NodeId, exo_home: Path, api_port: int, engine: EngineKind = EngineKind.Mlx, sealed: bool = False
 ) -> NodeInfo:
     memory = psutil.virtual_memory()
     is_apple_silicon = platform.system() == "Darwin" and platform.machine() == "arm64"
@@ -457,6 +463,7 @@ def gather_node_info(
         os=f"{platform.system()} {platform.machine()}",
         backend="metal" if is_apple_silicon else "cpu",
         engine=engine,
+        sealed=sealed,
         cpu_count=psutil.cpu_count() or 1,
         memory=MemoryInfo(total_bytes=memory.total, available_bytes=memory.available),
         disk_available_bytes=download_free_bytes(exo_home),

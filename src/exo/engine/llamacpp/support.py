@@ -28,11 +28,16 @@ def card_refusal(card: ModelCard) -> str | None:
     return supports(config)
 
 
-def instance_engine(nodes_engine: EngineKind, card: ModelCard, sharding: Sharding) -> EngineKind:
-    """The engine of an instance of `card` on nodes that all run `nodes_engine`."""
-    if nodes_engine != EngineKind.LlamaCpp or sharding == Sharding.Tensor or card_refusal(card) is not None:
-        return EngineKind.Mlx
-    return EngineKind.LlamaCpp
+def mlx_reason(card: ModelCard, sharding: Sharding, world_size: int, sealed: bool) -> str | None:
+    """Why an instance of `card` on nodes that run llama.cpp runs MLX instead, if it does."""
+    if sharding == Sharding.Tensor:
+        return "a tensor split runs on MLX (llama.cpp splits by layers only)"
+    if sealed and world_size > 1:
+        # ggml's RPC protocol has no authentication: a follower's port would serve whoever
+        # reaches it, outside what the cluster secret seals. The MLX ring's are sealed.
+        return "a split runs on MLX with a cluster secret: llama.cpp's RPC port is unauthenticated"
+    refusal = card_refusal(card)
+    return None if refusal is None else f"runs on MLX: {refusal}"
 
 
 def config_refusal(model_dir: Path) -> str | None:

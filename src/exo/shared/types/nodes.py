@@ -16,6 +16,9 @@ class NodeInfo(FrozenModel):
     os: str
     backend: str  # "cpu" or "metal": what MLX computes on
     engine: EngineKind = EngineKind.Mlx  # what this node's runners run models with
+    # Its cluster messages are sealed by a cluster secret: a split then stays off
+    # llama.cpp's RPC, which the secret does not cover.
+    sealed: bool = False
     cpu_count: int
     memory: MemoryInfo
     disk_available_bytes: int
