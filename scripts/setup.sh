@@ -63,3 +63,13 @@ if [ "$mode" = test ] && [ ! -x /usr/bin/chromium ]; then
     echo "the dashboard's browser tests need /usr/bin/chromium: apt-get install chromium (as root)" >&2
   fi
 fi
+if [ "$mode" = test ]; then
+  # The dashboard's browser tests run the real opencode client (npm's opencode-ai, pinned in
+  # tests/support/opencode.py) on the config the page copies; installed once into
+  # ~/.cache/exo/npm. Needs node and npm.
+  if command -v npm >/dev/null; then
+    .venv/bin/python -m tests.support.opencode >/dev/null
+  else
+    echo "the dashboard's browser tests need node and npm (apt-get install nodejs npm) for opencode" >&2
+  fi
+fi

@@ -166,7 +166,8 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
         if interleaved:
             assert models[model_id]["interleaved"] == {"field": "reasoning_content"}
 
-    # The chat's request: earlier reasoning back as reasoning_content, images as parts.
+    # The chat's request: earlier reasoning back as reasoning_content, tool calls as
+    # tool_calls (an id made up where the stream gave none), images as parts.
     assert shown["requestMessages"] == [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "Hello", "reasoning_content": "The user greets."},
@@ -177,6 +178,23 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
             ],
         },
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": "Let me check.",
+            "reasoning_content": "Paris.",
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+                {"id": "call_5_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ],
+        },
+        {"role": "user", "content": "again"},
+        # A stopped reply's half-written call is left out (its arguments do not parse).
+        {"role": "assistant", "content": "Hm"},
     ]
 
     # Markdown: escaped, code blocks kept verbatim, only http(s) links, an open fence shown.

@@ -1,12 +1,14 @@
 """The dashboard in a real browser: Playwright for Python driving Debian's chromium
 (/usr/bin/chromium, never a downloaded browser) against two real nodes joined over
-loopback, with a scripted thinking model (devtools/scripted_models.py) and the fake hub
+loopback, with scripted thinking models (devtools/scripted_models.py) and the fake hub
 (tests/support/fake_hub.py) for downloads. Every page loads with no console error; a
-model is placed from the Models page; a streamed chat shows thinking apart and sends it
-back as `reasoning_content`; the Integrations page's opencode JSON marks `interleaved`
-per reasoning dialect; a hub model's download shows progress, is cancelled, resumed and
-deleted; the API key prompt. Screenshots of every page at 1440x900 and 390x844 go to
-$EXO_TEST_ARTIFACTS/dashboard (default /tmp/exo-dashboard-shots)."""
+model is placed from the Models page; a streamed chat shows thinking and tool calls apart
+and sends both back (`reasoning_content`, `tool_calls`); the Integrations page's opencode
+JSON marks `interleaved` per reasoning dialect, and the copied config works in the real
+opencode client (npm's opencode-ai, run offline), which sends the reasoning back; a hub
+model's download shows progress, is cancelled, resumed and deleted; the API key prompt.
+Screenshots of every page at 1440x900 and 390x844 go to $EXO_TEST_ARTIFACTS/dashboard
+(default /tmp/exo-dashboard-shots/dashboard)."""
 
 import json
 import os
@@ -16,22 +18,28 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, ConsoleMessage, Page, Playwright, Route, expect, sync_playwright
+from playwright.sync_api import Browser, ConsoleMessage, Page, Playwright, Request, Route, expect, sync_playwright
 
 from exo.devtools.scripted_families import FAMILY_SCRIPTS, GET_WEATHER_TOOL
 from exo.devtools.scripted_models import make_scripted_model
 from exo.devtools.tiny_models import make_tiny_llama
 from exo.devtools.tiny_vlms import make_tiny_vlm
+from tests.support.capture import loopback_capture
 from tests.support.cluster import Cluster, loopback_cluster
 from tests.support.fake_hub import FakeHub, running_fake_hub
 from tests.support.images import noise_png
 from tests.support.node import TINY_MODEL_ID, ExoNode, start_node, stop_node
+from tests.support.opencode import run_opencode
 
 CHROMIUM = "/usr/bin/chromium"
 THINKER = "scripted/qwen3-thinker"
 SCRIPT = FAMILY_SCRIPTS["qwen3"]
 HUB_MODEL = "acme/hub-model"
 VLM = "acme/qwen2.5-vl-tiny"
+# What opencode talks to: a Qwen3 that thinks, then greets (no tool call: opencode runs
+# here with its tools off).
+GREETER = "scripted/qwen3-greeter"
+GREETER_SCRIPT = ("<think>", "\nA greeting", ".\n", "</think>", "\n\nHello", " from", " exo.")
 PAGES = ("cluster", "models", "downloads", "chat", "integrations")
 SIZES = {"desktop": (1440, 900), "phone": (390, 844)}
 SHOTS = Path(os.environ.get("EXO_TEST_ARTIFACTS", "/tmp/exo-dashboard-shots")) / "dashboard"
@@ -57,11 +65,19 @@ def keyed_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[ExoN
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, hub: FakeHub, keyed_node: Future[ExoNode]) -> Iterator[Cluster]:
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     models = tmp_path_factory.mktemp("models")
     make_scripted_model(models / THINKER.replace("/", "--"), "qwen3", SCRIPT.script)
     make_tiny_llama(models / TINY_MODEL_ID.replace("/", "--"))
     make_tiny_vlm(models / VLM.replace("/", "--"), "qwen2_5_vl")
+    make_scripted_model(models / GREETER.replace("/", "--"), "qwen3", GREETER_SCRIPT)
+    return models
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, models: Path, hub: FakeHub, keyed_node: Future[ExoNode]
+) -> Iterator[Cluster]:
     env = {
         "EXO_MODELS_DIRS": str(models),
         "HF_ENDPOINT": hub.endpoint,
@@ -70,12 +86,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, hub: FakeHub, keyed_node: 
         "EXO_PREFILL_STEP": "64",
     }
     with loopback_cluster(2, tmp_path_factory.mktemp("cluster"), env, offline=False) as nodes:
-        nodes.models = models
         nodes[0].wait_for_state(
             lambda s: len(s["nodes"]) == 2 and len(s["topology"]["connections"]) >= 2, what="2 linked nodes"
         )
         # Loading while the first tests run: the models later tests chat with.
-        for model in (VLM, TINY_MODEL_ID):
+        for model in (VLM, TINY_MODEL_ID, GREETER):
             assert nodes[0].post("/place_instance", json={"model_id": model}).status_code == 200
         yield nodes
 
@@ -102,7 +117,17 @@ def wait_serving(node: ExoNode, model_id: str) -> str:
                 return instance_id
         return None
 
-    return serving(node.wait_for_state(lambda s: serving(s) is not None, timeout=120, what=f"{model_id} serving"))
+    instance_id = serving(
+        node.wait_for_state(lambda s: serving(s) is not None, timeout=120, what=f"{model_id} serving")
+    )
+    assert instance_id is not None
+    return instance_id
+
+
+def posted_json(request: Request) -> dict:
+    body = request.post_data_json
+    assert isinstance(body, dict), body
+    return body
 
 
 @pytest.fixture(scope="module")
@@ -238,11 +263,16 @@ def test_a_streamed_chat_shows_thinking_apart_and_sends_it_back(page: Page) -> N
     page.locator("#chat-input").fill("And tomorrow?")
     with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
         page.locator("#chat-input").press("Enter")
-    body = sent.value.post_data_json
+    body = posted_json(sent.value)
     assert body["model"] == THINKER and body["stream"] is True
     assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
     assistant = body["messages"][1]
     assert assistant["reasoning_content"] == SCRIPT.reasoning and assistant["content"] == SCRIPT.content
+    # Its tool call too, as Chat Completions has it (the page runs no tool: no tool message).
+    [call] = assistant["tool_calls"]
+    assert call["id"] and call["type"] == "function", call
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     expect(page.locator(".message.assistant").last.locator(".stats")).to_contain_text("tokens", timeout=30000)
 
     # Kept in the browser: a reload shows the conversation; rename and delete work.
@@ -268,7 +298,7 @@ def with_body(page: Page, extra: dict) -> None:
     page has no control for: the answer still streams from the real node)."""
 
     def add(route: Route) -> None:
-        route.continue_(post_data=json.dumps({**route.request.post_data_json, **extra}))
+        route.continue_(post_data=json.dumps({**posted_json(route.request), **extra}))
 
     page.route("**/v1/chat/completions", add)
 
@@ -289,7 +319,7 @@ def test_images_are_offered_for_a_vision_model_and_sent_as_parts(page: Page, clu
     page.locator("#chat-input").fill("what is in the picture")
     with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
         page.locator("#send-button").click()
-    [message] = sent.value.post_data_json["messages"]
+    [message] = posted_json(sent.value)["messages"]
     assert message["content"][0] == {"type": "text", "text": "what is in the picture"}
     assert message["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
     reply = page.locator(".message.assistant").last
@@ -309,6 +339,7 @@ def test_images_are_offered_for_a_vision_model_and_sent_as_parts(page: Page, clu
 def test_the_integrations_configs_point_here_and_mark_interleaved_per_dialect(page: Page, cluster: Cluster) -> None:
     node = cluster[0]
     wait_serving(node, TINY_MODEL_ID)
+    wait_serving(node, GREETER)
     goto(page, "integrations")
     opencode_block = page.locator("#integration-opencode")
     expect(opencode_block).to_contain_text(TINY_MODEL_ID)
@@ -317,7 +348,7 @@ def test_the_integrations_configs_point_here_and_mark_interleaved_per_dialect(pa
     provider = opencode["provider"]["exo"]
     assert provider["options"]["baseURL"] == f"{node.url}/v1"
     models = provider["models"]
-    assert sorted(models) == sorted([THINKER, TINY_MODEL_ID])
+    assert sorted(models) == sorted([THINKER, TINY_MODEL_ID, GREETER])
     assert models[THINKER]["interleaved"] == {"field": "reasoning_content"}  # qwen3: post_last_user
     assert "interleaved" not in models[TINY_MODEL_ID]  # llama: none
     opencode_block.get_by_role("button", name="Copy").click()
@@ -351,10 +382,43 @@ def test_the_integrations_configs_point_here_and_mark_interleaved_per_dialect(pa
         assert all(entry == expected for entry in entries), (dialect, entries)
 
 
-def test_stop_ends_a_streaming_reply(page: Page, cluster: Cluster) -> None:
+def chat_requests(streams: list[bytes]) -> list[dict]:
+    """The bodies of the Chat Completions requests among captured TCP streams."""
+    return [
+        json.loads(stream.split(b"\r\n\r\n", 1)[1])
+        for stream in streams
+        if stream.startswith(b"POST /v1/chat/completions ")
+    ]
+
+
+def test_the_copied_opencode_config_works_with_the_real_opencode(page: Page, cluster: Cluster, tmp_path: Path) -> None:
+    """What the Copy button puts on the clipboard, saved as a project's opencode.json
+    unchanged: the real opencode client (npm's opencode-ai) gets the greeter's answer from
+    this node, and on the next turn sends the answer's reasoning back as
+    `reasoning_content`, as the config's `interleaved` asks."""
+    node = cluster[0]
+    goto(page, "integrations")
+    page.locator("#integration-opencode").get_by_role("button", name="Copy").click()
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "opencode.json").write_text(page.evaluate("navigator.clipboard.readText()"))
+    with loopback_capture([node.api_port]) as capture:
+        first = run_opencode(project, f"exo/{GREETER}", "say hello")
+        second = run_opencode(project, f"exo/{GREETER}", "once more", "--continue")
+    assert first.strip() == "Hello from exo." and second.strip() == "Hello from exo.", (first, second)
+    bodies = [b for b in chat_requests(capture.streams([node.api_port])) if b["model"] == GREETER]
+    later = [b["messages"] for b in bodies if any(m["role"] == "assistant" for m in b["messages"])]
+    assert later, bodies
+    [assistant] = [m for m in later[-1] if m["role"] == "assistant"]
+    assert assistant["reasoning_content"].strip() == "A greeting."
+    assert assistant["content"].strip() == "Hello from exo."
+    assert "once more" in json.dumps(later[-1][-1])
+
+
+def test_stop_ends_a_streaming_reply(page: Page, cluster: Cluster, models: Path) -> None:
     """The tiny llama with its EOS banned (added to the page's request on its way out)
     writes until its context is full unless stopped."""
-    eos = json.loads((cluster.models / TINY_MODEL_ID.replace("/", "--") / "config.json").read_text())["eos_token_id"]
+    eos = json.loads((models / TINY_MODEL_ID.replace("/", "--") / "config.json").read_text())["eos_token_id"]
     with_body(page, {"logit_bias": {str(eos): -100}})
     goto(page, "chat")
     page.locator("#new-chat").click()

@@ -42,6 +42,20 @@ const conversation = {
     { role: "assistant", model: "m", content: "Hello", reasoning: "The user greets." },
     { role: "user", content: "look", images: ["data:image/png;base64,AAAA"] },
     { role: "assistant", model: "m", content: "", error: "stopped" },
+    { role: "user", content: "weather?" },
+    {
+      role: "assistant",
+      model: "m",
+      content: "Let me check.",
+      reasoning: "Paris.",
+      toolCalls: [
+        { id: "call_abc", name: "get_weather", arguments: '{"city": "Paris"}' },
+        { name: "get_time", arguments: "{}" },
+      ],
+    },
+    { role: "user", content: "again" },
+    { role: "assistant", model: "m", content: "", error: "stopped", toolCalls: [{ name: "get_weather", arguments: '{"ci' }] },
+    { role: "assistant", model: "m", content: "Hm", error: "stopped", toolCalls: [{ name: "get_weather", arguments: '{"ci' }] },
   ],
 };
 

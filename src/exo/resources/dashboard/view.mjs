@@ -229,8 +229,9 @@ export function foldChatStream(reply, event) {
     if (delta.content) next.content = (next.content ?? "") + delta.content;
     for (const call of delta.tool_calls ?? []) {
       const calls = [...(next.toolCalls ?? [])];
-      const existing = calls[call.index] ?? { name: "", arguments: "" };
+      const existing = calls[call.index] ?? { id: "", name: "", arguments: "" };
       calls[call.index] = {
+        id: existing.id || call.id || "",
         name: existing.name + (call.function?.name ?? ""),
         arguments: existing.arguments + (call.function?.arguments ?? ""),
       };
@@ -550,16 +551,44 @@ export function titleFrom(text) {
   return line.length > 48 ? `${line.slice(0, 47)}…` : line || "New chat";
 }
 
+function completeArguments(text) {
+  try {
+    JSON.parse(text || "{}");
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+// An assistant turn's tool calls in Chat Completions' shape. A call the stream gave no id
+// gets one from its place in the conversation, so a tool result can still name it; a call
+// cut off mid-arguments (a stopped reply) is left out: its JSON would not parse.
+export function requestToolCalls(message, turn) {
+  return (message.toolCalls ?? [])
+    .map((call, i) => [call, i])
+    .filter(([call]) => call.name && completeArguments(call.arguments))
+    .map(([call, i]) => ({
+      id: call.id || `call_${turn}_${i}`,
+      type: "function",
+      function: { name: call.name, arguments: call.arguments || "{}" },
+    }));
+}
+
 // What the chat sends: each earlier assistant turn carries its reasoning back as
-// `reasoning_content` (the dialects that use it need it; the others ignore it), images
-// as Chat Completions image_url parts.
+// `reasoning_content` (the dialects that use it need it; the others ignore it) and its
+// tool calls as `tool_calls` (the templates render them, so the model sees what it asked
+// for; the page runs no tools, so no tool message follows), images as Chat Completions
+// image_url parts.
 export function requestMessages(conversation) {
   return conversation.messages
-    .filter((m) => !m.error || m.content || m.reasoning)
-    .map((m) => {
+    .map((m, turn) => [m, turn])
+    .filter(([m, turn]) => !m.error || m.content || m.reasoning || requestToolCalls(m, turn).length)
+    .map(([m, turn]) => {
       if (m.role === "assistant") {
         const out = { role: "assistant", content: m.content ?? "" };
         if (m.reasoning) out.reasoning_content = m.reasoning;
+        const calls = requestToolCalls(m, turn);
+        if (calls.length) out.tool_calls = calls;
         return out;
       }
       if (m.images?.length) {
