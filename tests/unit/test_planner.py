@@ -40,6 +40,7 @@ from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskPara
 from exo.worker.planner import (
     MAX_RUNNER_ATTEMPTS,
     RESTART_BACKOFF_SECONDS,
+    AbandonRunner,
     CancelTask,
     CreateRunner,
     DeleteFailedInstance,
@@ -340,3 +341,19 @@ def test_rank_0_does_not_load_until_the_other_rank_is_connected(card: ModelCard)
 def test_rank_0_loads_once_every_rank_is_connected(card: ModelCard):
     state = two_rank_state(card, own=RunnerConnected(), other=RunnerConnected())
     assert plan(NODE, state, local_runner(sent={ConnectToGroup}), NOW) == RunnerStep(RUNNER, LOAD_MODEL)
+
+
+def test_a_runner_whose_peer_failed_mid_stream_is_abandoned(card: ModelCard):
+    """Rank 1's runner died while rank 0 was serving: rank 0 may be blocked in the ring
+    waiting on it, so it is killed (failing its streams) rather than left to hang."""
+    state = two_rank_state(card, own=RunnerRunning(), other=RunnerFailed(error_message="exit code -9"))
+    action = plan(NODE, state, local_runner(sent=ALL_STEPS, in_flight={"task-1"}), NOW)
+    assert isinstance(action, AbandonRunner) and action.runner_id == RUNNER
+    assert "rank 1" in action.reason and "exit code -9" in action.reason
+
+
+def test_a_restarted_runner_waits_for_its_failed_peer_instead_of_abandoning(card: ModelCard):
+    """After a restart the new runner is not in a group yet: the peer's old failure is
+    what it waits out, not a reason to stop again."""
+    state = two_rank_state(card, own=RunnerIdle(), other=RunnerFailed(error_message="exit code -9"))
+    assert plan(NODE, state, local_runner(attempt=2), NOW) is None

@@ -59,6 +59,16 @@ class ShutdownRunner:
 
 
 @dataclass(frozen=True)
+class AbandonRunner:
+    """Another rank of the runner's group failed: a ring never recovers a lost member,
+    so kill the runner now (it may be blocked waiting on the dead peer) and fail what it
+    was serving with `reason`."""
+
+    runner_id: RunnerId
+    reason: str
+
+
+@dataclass(frozen=True)
 class DeleteFailedInstance:
     instance_id: InstanceId
     reason: str
@@ -115,6 +125,7 @@ class DeleteModelFiles:
 PlannerAction = (
     CreateRunner
     | ShutdownRunner
+    | AbandonRunner
     | DeleteFailedInstance
     | ReportRingPortTaken
     | FindModel
@@ -210,6 +221,10 @@ def _plan_instance(
             return CreateRunner(instance.instance_id, runner_id, attempt=runner.attempt + 1)
         return None
 
+    abandon = _failed_peer(state, instance, runner_id, runner)
+    if abandon is not None:
+        return abandon
+
     stages = [_stage(state.runners.get(r)) for r in instance.shard_assignments.runner_to_shard]
     own = state.runners.get(runner_id)
     # Each lifecycle step starts only once every rank has finished the previous one,
@@ -239,6 +254,19 @@ def _plan_instance(
     for task_id in runner.in_flight:
         if task_id not in state.tasks:
             return CancelTask(runner_id, task_id)
+    return None
+
+
+def _failed_peer(state: State, instance: Instance, runner_id: RunnerId, runner: LocalRunner) -> AbandonRunner | None:
+    """A runner in its group whose peer has failed since. The group forms only once no
+    rank is failed (ConnectToGroup waits for every rank to be idle), so a failed peer
+    seen after that is a new failure, not the one that made this runner restart."""
+    if ConnectToGroup not in runner.sent:
+        return None
+    for peer_id, shard in instance.shard_assignments.runner_to_shard.items():
+        status = state.runners.get(peer_id)
+        if peer_id != runner_id and isinstance(status, RunnerFailed):
+            return AbandonRunner(runner_id, f"rank {shard.device_rank} of the instance failed: {status.error_message}")
     return None
 
 

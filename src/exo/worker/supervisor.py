@@ -129,6 +129,14 @@ class RunnerSupervisor:
             )
         )
 
+    def abandon(self, reason: str) -> None:
+        """Kill the process at once, without asking: it may be blocked in a collective
+        with a dead peer. What it was serving fails with `reason`."""
+        self.failure_message = reason
+        if self.process.is_alive():
+            self.process.kill()
+        self._on_exit()
+
     async def shutdown(self) -> None:
         self.send(Shutdown())
         self.stopping = True
