@@ -1,9 +1,18 @@
 """Images through a real node, checked against transformers: tiny random VLMs of Gemma 4
 (the E2B/E4B layout, and the 26B-A4B one whose image tokens attend both ways on sliding
 layers), Qwen2.5-VL and Qwen3-VL (interleaved M-RoPE, DeepStack) (devtools/tiny_vlms.py:
-made with transformers, sharp weights), a text + image prompt sent with the official SDKs. The top-20 log-probabilities
-of 4 greedy tokens through /v1/chat/completions equal transformers' forward over its own
-processing of the same image (its image processor, its tokenizer) within 1e-3; a
+made with transformers, sharp weights), a text + image prompt sent with the official SDKs.
+The top-20 log-probabilities of 4 greedy tokens through /v1/chat/completions equal
+transformers' forward over its own processing of the same image (its image processor,
+its tokenizer) within 1e-3.
+
+Kimi-VL too (devtools/tiny_kimi_vl.py), but transformers has no native Kimi-VL (Kimi
+ships it as remote code), so its reference is mlx-vlm's own whole kimi_vl model on
+mlx-vlm's processing: its language model is mlx-vlm's DeepSeek V3 (the full kv_b_proj
+attention), not the mlx-lm one exo serves with (kv_b_proj split per head), but the vision
+tower and projector are the same mlx-vlm code on both sides, so they are taken on trust.
+
+For every family a
 different image gives its own numbers; the same image again is a prefix-cache hit; a
 prefill chunk boundary falls inside the image's run of tokens. Claude, Responses and
 Ollama give the same answer. Bad images are a 400 in each API's own shape and the node
@@ -33,7 +42,7 @@ QUESTION = VLM_QUESTION
 TOLERANCE = 1e-3
 TOP = 20
 STEPS = 4
-# A 96x96 image is 64 soft tokens for Gemma 4, 144 for Qwen2.5-VL and Qwen3-VL; chunks of 32 put
+# A 96x96 image is 64 soft tokens for Gemma 4, 144 for Qwen2.5-VL, Qwen3-VL and Kimi-VL; chunks of 32 put
 # boundaries inside its run.
 PREFILL_STEP = 32
 
@@ -189,14 +198,18 @@ def test_every_api_gives_the_same_answer(node: ExoNode, vlm_dir: Path, reference
         "responses": responses.output_text,
         "ollama": olla.message.content,
     }
-    print(f"{family}: transformers' greedy answer {expected!r}; served {answers}")
+    print(f"{family}: the reference's greedy answer {expected!r}; served {answers}")
     assert all(answer == expected for answer in answers.values()), answers
     assert claude.usage.input_tokens == len(references[family, "second"][0])
 
 
 # What each family's chat template writes for an image; Ollama's raw prompts mark the
 # image's place as [img-N] instead.
-PLACEHOLDERS = {"gemma4": "<|image|>", "qwen": "<|vision_start|><|image_pad|><|vision_end|>"}
+PLACEHOLDERS = {
+    "gemma4": "<|image|>",
+    "qwen": "<|vision_start|><|image_pad|><|vision_end|>",
+    "kimi": "<|media_start|>image<|media_content|><|media_pad|><|media_end|>",
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -210,7 +223,7 @@ def test_ollama_raw_generate_takes_images(node: ExoNode, vlm_dir: Path, referenc
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
     )
-    placeholder = PLACEHOLDERS["gemma4" if family.startswith("gemma4") else "qwen"]
+    placeholder = PLACEHOLDERS[next(name for name in PLACEHOLDERS if family.startswith(name))]
     assert text.count(placeholder) == 1
     raw = text.replace(placeholder, "[img-0]")
     data = IMAGES["second"]
@@ -222,7 +235,7 @@ def test_ollama_raw_generate_takes_images(node: ExoNode, vlm_dir: Path, referenc
         options={"temperature": 0, "num_predict": STEPS},
     )
     expected = _greedy_text(vlm_dir, family, references[family, "second"])
-    print(f"{family}: raw generate {answer.response!r}, transformers {expected!r}")
+    print(f"{family}: raw generate {answer.response!r}, the reference {expected!r}")
     assert answer.response == expected
     assert answer.prompt_eval_count == len(references[family, "second"][0])
 

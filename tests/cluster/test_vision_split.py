@@ -1,5 +1,6 @@
-"""Images on 2 nodes: the tiny Gemma 4 VLMs (E2B/E4B and 26B-A4B layouts), Qwen2.5-VL and
-Qwen3-VL split by pipeline, and the Gemma 4 ones by tensor parallelism, across two real
+"""Images on 2 nodes: the tiny Gemma 4 VLMs (E2B/E4B and 26B-A4B layouts), Qwen2.5-VL,
+Qwen3-VL and Kimi-VL split by pipeline, and the Gemma 4 and Kimi-VL ones by tensor
+parallelism (Kimi-VL's reference is mlx-vlm's model, tests/api/test_vision.py says why), across two real
 nodes on 127.0.0.1. Rank 0 alone runs the vision tower and sends the features to the
 other rank (Gemma 4's per-layer inputs are projected from the embeddings, so every rank
 needs them), with the Qwen family's 3-D positions and Qwen3-VL's DeepStack features
@@ -61,7 +62,8 @@ def _place_split(node, model: str, sharding: str) -> str:
 
 
 # Tensor where the language model has a strategy (Qwen2.5-VL's has none yet).
-SPLITS = [(family, "Pipeline") for family in VLM_MODELS] + [("gemma4_vlm", "Tensor"), ("gemma4_moe_vlm", "Tensor")]
+TENSOR = [("gemma4_vlm", "Tensor"), ("gemma4_moe_vlm", "Tensor"), ("kimi_vl", "Tensor")]
+SPLITS = [(family, "Pipeline") for family in VLM_MODELS] + TENSOR
 
 
 def _user_turn(data: bytes) -> dict:

@@ -22,6 +22,7 @@ VLM_MODELS = {
     "gemma4_moe_vlm": "acme/gemma4-26b-vlm-tiny",
     "qwen2_5_vl": "acme/qwen2.5-vl-tiny",
     "qwen3_vl": "acme/qwen3-vl-tiny",
+    "kimi_vl": "acme/kimi-vl-tiny",
 }
 VLM_QUESTION = "what is in the picture"
 

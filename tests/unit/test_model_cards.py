@@ -391,15 +391,19 @@ def test_watch_refreshes_in_the_background(tmp_path, monkeypatch):
 def test_a_derived_card_says_vision_only_where_exo_runs_it(tmp_path):
     text = {"num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "max_position_embeddings": 64}
     base = {"model_type": "gemma4", "text_config": text, "vision_config": {"hidden_size": 4}, "image_token_id": 7}
+    no_token = {k: v for k, v in base.items() if k != "image_token_id"}
     layouts = {
         "e2b": (base, ["text", "vision"]),
         # 26B-A4B / 31B: image tokens attend both ways on sliding layers.
         "big": ({**base, "text_config": {**text, "use_bidirectional_attention": "vision"}}, ["text", "vision"]),
-        "notoken": ({k: v for k, v in base.items() if k != "image_token_id"}, ["text"]),
+        "notoken": (no_token, ["text"]),
         "qwen": ({**base, "model_type": "qwen2_5_vl"}, ["text", "vision"]),
         "qwen3": ({**base, "model_type": "qwen3_vl"}, ["text", "vision"]),
-        # mlx-vlm has Kimi's tower, but exo does not wire it yet.
-        "kimi": ({**base, "model_type": "kimi_vl"}, ["text"]),
+        # Kimi-VL's config names its image token the media placeholder.
+        "kimi": ({**no_token, "model_type": "kimi_vl", "media_placeholder_token_id": 7}, ["text", "vision"]),
+        "kimi_notoken": ({**no_token, "model_type": "kimi_vl"}, ["text"]),
+        # Kimi K2.5's tower (MoonViT 3-D) exo does not wire.
+        "kimi_k25": ({**base, "model_type": "kimi_k25"}, ["text"]),
     }
     for name, (config, capabilities) in layouts.items():
         write_tiny_model(tmp_path / f"acme--{name}", config)

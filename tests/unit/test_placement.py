@@ -863,7 +863,7 @@ def test_on_a_tensor_split_only_rank_0_adds_the_tower():
 
 
 def test_a_local_vlm_dirs_card_counts_its_vision_weights(tmp_path):
-    """From the safetensors headers: the tower's (and Gemma 4's projector's) tensors."""
+    """From the safetensors headers: the tower's (and Gemma 4's and Kimi-VL's projector's) tensors."""
     from safetensors import safe_open
 
     from exo.catalog.cards import card_from_model_dir
@@ -872,6 +872,7 @@ def test_a_local_vlm_dirs_card_counts_its_vision_weights(tmp_path):
     for name, prefixes in (
         ("gemma4_vlm", ("model.vision_tower.", "model.embed_vision.")),
         ("qwen3_vl", ("model.visual.",)),
+        ("kimi_vl", ("vision_tower.", "multi_modal_projector.")),
     ):
         path = make_tiny_vlm(tmp_path / name, name)
         with safe_open(str(path / "model.safetensors"), "np") as weights:

@@ -4,6 +4,9 @@ vision tower of width 32), sharp random weights (N(0, 0.08) for every matrix, a 
 noise on every constant vector), saved in HF layout with the image processor's config
 beside them. AutoProcessor is never used: it wants torchvision for the video processor.
 
+Kimi-VL, which transformers has no class for, is made with mlx-vlm instead
+(devtools/tiny_kimi_vl.py).
+
 `make_tiny_vlm(path, name)` writes one; `TINY_VLMS` lists the names."""
 
 import copy
@@ -131,13 +134,13 @@ QWEN3_VL_TEXT = {
 # (as the real [24, 20, 20] leaves time the tail).
 QWEN3_VL_ROPE = {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}
 
-TINY_VLMS = ("gemma4_vlm", "gemma4_moe_vlm", "qwen2_5_vl", "qwen3_vl", "gemma4_vlm_4bit")
+TINY_VLMS = ("gemma4_vlm", "gemma4_moe_vlm", "qwen2_5_vl", "qwen3_vl", "kimi_vl", "gemma4_vlm_4bit")
 # The quantized one: every linear and embedding (vision tower and projector included)
 # 4-bit in groups of 32.
 QUANTIZED_BITS, QUANTIZED_GROUP = 4, 32
 
 
-def _write_vlm_tokenizer(path: Path, tokens: dict[str, str], placeholder: str) -> dict[str, int]:
+def write_vlm_tokenizer(path: Path, tokens: dict[str, str], placeholder: str) -> dict[str, int]:
     """The tiny BPE tokenizer with the family's image tokens added; returns their ids."""
     write_tokenizer(path, 512, 64)
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -189,7 +192,7 @@ def make_tiny_gemma4_vlm(path: Path, seed: int = 0, layout: str = "e2b") -> Path
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     path = Path(path)
-    ids = _write_vlm_tokenizer(path, GEMMA4_TOKENS, GEMMA4_TOKENS["image_token"])
+    ids = write_vlm_tokenizer(path, GEMMA4_TOKENS, GEMMA4_TOKENS["image_token"])
     text = copy.deepcopy(TINY_CONFIGS["gemma4"]["text_config"]) if layout == "e2b" else _gemma4_moe_text()
     text.update(vocab_size=ids["vocab_size"], pad_token_id=0)
     if text.get("hidden_size_per_layer_input"):
@@ -277,7 +280,7 @@ def _make_tiny_qwen_vl(
 
     config_class, model_class = classes
     path = Path(path)
-    ids = _write_vlm_tokenizer(path, QWEN_VL_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>")
+    ids = write_vlm_tokenizer(path, QWEN_VL_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>")
     rope = {**ropes[0], "rope_theta": QWEN_VL_ROPE_THETA}
     config = config_class(
         text_config={**text_config, "vocab_size": ids["vocab_size"], "rope_parameters": rope},
@@ -356,7 +359,7 @@ def mlx_vlm_reference(path: Path, question: str, image: Any) -> tuple[list[int],
     batch, counts = processor(images=[image], return_tensors="np")
     tokenizer = AutoTokenizer.from_pretrained(path)
     run = GEMMA4_TOKENS["image_token"] * int(counts[0])
-    text = _user_turn(tokenizer, question).replace(
+    text = user_turn(tokenizer, question).replace(
         GEMMA4_TOKENS["image_token"], GEMMA4_TOKENS["boi_token"] + run + GEMMA4_TOKENS["eoi_token"]
     )
     ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -371,7 +374,14 @@ def make_tiny_vlm(path: Path, name: str, seed: int = 0) -> Path:
         return make_tiny_quantized_gemma4_vlm(path, seed)
     if name == "gemma4_moe_vlm":
         return make_tiny_gemma4_vlm(path, seed, layout="26b")
-    makers = {"gemma4_vlm": make_tiny_gemma4_vlm, "qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl}
+    from exo.devtools.tiny_kimi_vl import make_tiny_kimi_vl
+
+    makers = {
+        "gemma4_vlm": make_tiny_gemma4_vlm,
+        "qwen2_5_vl": make_tiny_qwen2_5_vl,
+        "qwen3_vl": make_tiny_qwen3_vl,
+        "kimi_vl": make_tiny_kimi_vl,
+    }
     return makers[name](path, seed)
 
 
@@ -424,7 +434,7 @@ def _greedy_logprobs(forward: Callable[[Any], Any], ids: list[int], steps: int) 
     return steps_logprobs
 
 
-def _user_turn(tokenizer: Any, question: str) -> str:
+def user_turn(tokenizer: Any, question: str) -> str:
     content = [{"type": "image"}, {"type": "text", "text": question}]
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
@@ -447,7 +457,7 @@ def qwen_vl_reference(path: Path, question: str, image: Any, steps: int = 1) -> 
     )
     pixels = processor(images=[image], return_tensors="pt")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    text = _user_turn(tokenizer, question)
+    text = user_turn(tokenizer, question)
     count = int(pixels["image_grid_thw"][0].prod()) // saved["merge_size"] ** 2
     text = text.replace(QWEN_VL_TOKENS["image_token"], QWEN_VL_TOKENS["image_token"] * count)
     ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -464,6 +474,15 @@ def qwen_vl_reference(path: Path, question: str, image: Any, steps: int = 1) -> 
 
 
 def vlm_reference(path: Path, question: str, image: Any, steps: int = 1) -> tuple[list[int], list[list[float]]]:
+    """The reference numbers for a tiny VLM: transformers' forward, or for Kimi-VL, which
+    transformers has no class for, mlx-vlm's (devtools/tiny_kimi_vl.py)."""
+    from exo.devtools.tiny_kimi_vl import kimi_vl_reference
+
     model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
-    references = {"gemma4": gemma4_reference, "qwen2_5_vl": qwen_vl_reference, "qwen3_vl": qwen_vl_reference}
+    references = {
+        "gemma4": gemma4_reference,
+        "qwen2_5_vl": qwen_vl_reference,
+        "qwen3_vl": qwen_vl_reference,
+        "kimi_vl": kimi_vl_reference,
+    }
     return references[model_type](path, question, image, steps)

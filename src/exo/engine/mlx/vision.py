@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -30,6 +31,10 @@ from mlx_vlm.models.gemma4.config import VisionConfig as Gemma4VisionConfig
 from mlx_vlm.models.gemma4.gemma4 import MultimodalEmbedder
 from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor
 from mlx_vlm.models.gemma4.vision import VisionModel as Gemma4VisionModel
+from mlx_vlm.models.kimi_vl.config import VisionConfig as KimiVisionConfig
+from mlx_vlm.models.kimi_vl.kimi_vl import KimiVLMultiModalProjector
+from mlx_vlm.models.kimi_vl.processing_kimi_vl import KimiVLImageProcessor
+from mlx_vlm.models.kimi_vl.vision import VisionModel as KimiVisionModel
 from mlx_vlm.models.qwen2_5_vl.config import VisionConfig as QwenVisionConfig
 from mlx_vlm.models.qwen2_5_vl.vision import VisionModel as QwenVisionModel
 from mlx_vlm.models.qwen3_vl.config import VisionConfig as Qwen3VisionConfig
@@ -41,7 +46,14 @@ from exo.engine.mlx.deepstack import DeepStack, DeepStackRun, attach_deepstack, 
 from exo.engine.mlx.image_attention import attach_image_spans, install_image_overlay
 from exo.engine.mlx.mrope import RopePositions, attach_positions, image_positions, install_mrope
 from exo.engine.mlx.parallel import broadcast_bytes
-from exo.shared.models.vision import PROJECTOR_PREFIXES, TOWER_PREFIXES, bidirectional_images, vision_runs
+from exo.shared.models.vision import (
+    PROJECTOR_PREFIXES,
+    TOWER_PREFIXES,
+    bidirectional_images,
+    image_token_id,
+    moonvit_fields,
+    vision_runs,
+)
 from exo.shared.types.text_generation import ImageInput, TextGenerationTaskParams, image_hashes_in_order
 
 
@@ -205,9 +217,11 @@ def _rope_positions(length: int, runs: list[ImageRun]) -> RopePositions:
 class VisionEncoder:
     """The vision side of one loaded model."""
 
-    def __init__(self, config: dict[str, Any], encode: Encode, rope_positions: bool = False) -> None:
+    def __init__(
+        self, config: dict[str, Any], encode: Encode, rope_positions: bool = False, placeholder_text: str | None = None
+    ) -> None:
         self.whole_runs = bidirectional_images(config)
-        self.image_token_id = int(config["image_token_id"])
+        self.image_token_id = cast(int, image_token_id(config))
         self.boi_token_id = config.get("boi_token_id")
         self.eoi_token_id = config.get("eoi_token_id")
         self.pad_token_id = int(config.get("text_config", {}).get("pad_token_id") or 0)
@@ -219,6 +233,8 @@ class VisionEncoder:
         self.placeholder = [self.image_token_id]
         if start is not None and end is not None:
             self.placeholder = [int(start), self.image_token_id, int(end)]
+        # Or as text the tokenizer reads (Kimi-VL's has a word inside its markers).
+        self.placeholder_text = placeholder_text
 
     def bind(self, inner: Any) -> None:
         """Takes the language model's embedding scale (Gemma multiplies its inputs by it)."""
@@ -235,10 +251,13 @@ class VisionEncoder:
         if any(number >= len(images) for number in tagged) or len(set(tagged)) < len(tagged):
             raise ValueError(f"the prompt's image tags {tagged} do not name each of its {len(images)} images once")
         untagged = [number for number in range(len(images)) if number not in tagged]
-        tokens = self.placeholder * len(untagged)
+        placeholder = self.placeholder
+        if self.placeholder_text is not None:
+            placeholder = tokenizer.encode(self.placeholder_text, add_special_tokens=False)
+        tokens = placeholder * len(untagged)
         for index, piece in enumerate(pieces):
             if index % 2:
-                tokens += self.placeholder
+                tokens += placeholder
             elif piece:
                 tokens += tokenizer.encode(piece, add_special_tokens=False)
         return tokens, [images[number] for number in [*untagged, *tagged]]
@@ -386,11 +405,53 @@ def _qwen_vl(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
     return VisionEncoder(config, encode, rope_positions=True)
 
 
+class _KimiImageProcessor(KimiVLImageProcessor):
+    """mlx-vlm's Kimi-VL processor (torch-free), reading the pixels through numpy: its own
+    goes through a Python list of every pixel."""
+
+    def to_mlx(self, image: Image.Image) -> mx.array:
+        pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+        return mx.array(pixels.transpose(2, 0, 1))
+
+
+# What Kimi-VL's chat template writes for an image.
+KIMI_PLACEHOLDER = "<|media_start|>image<|media_content|><|media_pad|><|media_end|>"
+
+
+def _kimi_vl(model_dir: Path, config: dict[str, Any]) -> VisionEncoder:
+    """MoonViT (a position table interpolated to each image's grid, 2-D rotary attention,
+    2x2 patches merged) and the projector into the text width."""
+    vision_config = KimiVisionConfig.from_dict(moonvit_fields(config["vision_config"]))
+    tower = KimiVisionModel(vision_config)
+    # The hub's names (vision_tower.encoder.blocks.N.wqkv, torch's conv layout) as
+    # mlx-vlm's sanitize renames them, given the full names it expects.
+    found = _weights(model_dir, TOWER_PREFIXES["kimi_vl"])
+    named = {"vision_tower." + name.replace("encoder.", "", 1): value for name, value in found.items()}
+    tower_weights = {name.removeprefix("vision_tower."): value for name, value in tower.sanitize(named).items()}
+    _load_into(tower, tower_weights, config)
+    text_hidden = int(config["text_config"]["hidden_size"])
+    shapes = SimpleNamespace(vision_config=vision_config, text_config=SimpleNamespace(hidden_size=text_hidden))
+    projector = KimiVLMultiModalProjector(cast(Any, shapes))
+    _load_into(projector, _weights(model_dir, PROJECTOR_PREFIXES["kimi_vl"]), config)
+    dtype = tower.patch_embed.proj.weight.dtype
+    processor = _KimiImageProcessor.from_pretrained(str(model_dir))
+
+    def encode(image: Image.Image) -> Encoded:
+        batch = processor(images=[image])
+        pixels = cast(mx.array, batch["pixel_values"]).transpose(0, 2, 3, 1).astype(dtype)
+        # One (tokens, merged patches, width) piece per image.
+        merged = cast(list[mx.array], tower(pixels, batch["image_grid_hws"], grid_shapes=batch["_grid_shapes"]))
+        return Encoded(projector(merged))
+
+    return VisionEncoder(config, encode, placeholder_text=KIMI_PLACEHOLDER)
+
+
 # Per config model_type (shared/models/vision.py lists them): how to build the vision side.
 _FAMILIES: dict[str, Callable[[Path, dict[str, Any]], VisionEncoder]] = {
     "gemma4": _gemma4,
     "qwen2_5_vl": _qwen_vl,
     "qwen3_vl": _qwen_vl,
+    "kimi_vl": _kimi_vl,
 }
 
 

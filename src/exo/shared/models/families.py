@@ -90,7 +90,8 @@ FAMILIES: dict[str, FamilyFacts] = {
     "kimi_k2": FamilyFacts(THINK, "kimi_k2", reasoning_dialect=ReasoningDialect.suffix),
     "kimi_k25": FamilyFacts(tensor_strategy=MLX_LM),
     "kimi_k3": FamilyFacts(tensor_strategy=MLX_LM),
-    "kimi_vl": FamilyFacts(("◁think▷", "◁/think▷")),
+    # exo's own module (engine/mlx/models/kimi_vl.py): DeepSeek V3's strategy on its language model.
+    "kimi_vl": FamilyFacts(("◁think▷", "◁/think▷"), tensor_strategy=StrategyOwner.exo_model),
     "gpt_oss": FamilyFacts(tool_format="harmony", tensor_strategy=MLX_LM, reasoning_dialect=ReasoningDialect.channel),
     "gemma3": FamilyFacts(eos_ids=GEMMA_EOS_IDS),
     "gemma3_text": FamilyFacts(eos_ids=GEMMA_EOS_IDS),

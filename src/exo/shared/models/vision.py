@@ -6,7 +6,7 @@ from typing import Any
 
 # Config model_types whose vision tower, projector and processor exo wires to the
 # language model (engine/mlx/vision.py).
-VISION_MODEL_TYPES = frozenset({"gemma4", "qwen2_5_vl", "qwen3_vl"})
+VISION_MODEL_TYPES = frozenset({"gemma4", "qwen2_5_vl", "qwen3_vl", "kimi_vl"})
 
 
 # Where a checkpoint keeps the vision side's weights: as transformers saves it
@@ -15,8 +15,12 @@ TOWER_PREFIXES = {
     "gemma4": ("model.vision_tower.", "vision_tower."),
     "qwen2_5_vl": ("model.visual.", "visual.", "vision_tower."),
     "qwen3_vl": ("model.visual.", "visual.", "vision_tower."),
+    "kimi_vl": ("vision_tower.",),
 }
-PROJECTOR_PREFIXES = {"gemma4": ("model.embed_vision.", "embed_vision.")}
+PROJECTOR_PREFIXES = {
+    "gemma4": ("model.embed_vision.", "embed_vision."),
+    "kimi_vl": ("multi_modal_projector.",),
+}
 
 
 def is_vision_weight(config: dict[str, Any], name: str) -> bool:
@@ -26,11 +30,27 @@ def is_vision_weight(config: dict[str, Any], name: str) -> bool:
     return name.startswith(prefixes)
 
 
+def image_token_id(config: dict[str, Any]) -> int | None:
+    """The token the processor repeats once per soft token of an image (Kimi-VL's
+    config calls it the media placeholder)."""
+    found = config.get("image_token_id", config.get("media_placeholder_token_id"))
+    return None if found is None else int(found)
+
+
 def vision_runs(config: dict[str, Any]) -> bool:
     """Whether exo runs this config.json's vision side."""
     if config.get("model_type") not in VISION_MODEL_TYPES or not config.get("vision_config"):
         return False
-    return config.get("image_token_id") is not None
+    return image_token_id(config) is not None
+
+
+def moonvit_fields(vision: dict[str, Any]) -> dict[str, Any]:
+    """Kimi-VL's tower config as mlx-vlm's VisionConfig names it (depth, num_heads,
+    embed_dim where the hub's configs say num_hidden_layers, num_attention_heads,
+    hidden_size; its defaults are the real tower's sizes, so a config read as is would
+    build a 27-block tower whatever it says)."""
+    renamed = {"num_hidden_layers": "depth", "num_attention_heads": "num_heads", "hidden_size": "embed_dim"}
+    return {**vision, **{new: vision[old] for old, new in renamed.items() if old in vision and new not in vision}}
 
 
 def bidirectional_images(config: dict[str, Any]) -> bool:
@@ -59,7 +79,27 @@ def image_prompt_tokens(config: dict[str, Any], processor: dict[str, Any], width
         high = int(processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280)
         rows, columns = _qwen_size(height, width, patch * merge, low, high)
         return (rows // patch) * (columns // patch) // merge**2
+    if model_type == "kimi_vl":
+        patch = int(processor.get("patch_size", 14))
+        merge = [int(n) for n in processor.get("merge_kernel_size") or (2, 2)]
+        limit = int(processor.get("in_token_limit", 4096))
+        rows, columns = _kimi_size(
+            height, width, patch, limit, [n * patch for n in merge], bool(processor.get("pad_input"))
+        )
+        return (rows // patch // merge[0]) * (columns // patch // merge[1])
     return 1
+
+
+def _kimi_size(height: int, width: int, patch: int, limit: int, steps: list[int], pad: bool) -> tuple[int, int]:
+    """Kimi-VL's resize: down (keeping the aspect) to within `limit` patches, then padded
+    up (pad_input) or cropped down to whole merged patches of `steps` pixels."""
+    patches = (width // patch) * (height // patch)
+    if patches > limit:
+        scale = math.sqrt(limit / patches)
+        height, width = int(height * scale), int(width * scale)
+    if pad:
+        return -(-height // steps[0]) * steps[0], -(-width // steps[1]) * steps[1]
+    return height - height % steps[0], width - width % steps[1]
 
 
 def _gemma4_size(height: int, width: int, patch: int, max_patches: int, pool: int) -> tuple[int, int]:

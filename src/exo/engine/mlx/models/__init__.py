@@ -7,7 +7,8 @@ mlx-lm's own loading (`load_model`, `_get_classes`) and cache helpers
 
 import sys
 
-from exo.engine.mlx.models import deepseek_v4, gpt_oss
+from exo.engine.mlx.models import deepseek_v4, gpt_oss, kimi_vl
 
 sys.modules["mlx_lm.models.deepseek_v4"] = deepseek_v4
 sys.modules["mlx_lm.models.gpt_oss"] = gpt_oss
+sys.modules["mlx_lm.models.kimi_vl"] = kimi_vl
