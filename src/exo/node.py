@@ -95,7 +95,7 @@ class Node:
             transport = SealedTransport(transport, config.cluster_secret)
             logger.info(f"cluster messages sealed (secret fingerprint {secret_fingerprint(config.cluster_secret)})")
         self.router = Router(self.node_id, transport)
-        self.replica = StateReplica(self.router, config.exo_home / "data" / "event_log.jsonl")
+        self.replica = StateReplica(self.router, config.exo_home / "data" / "event_log.jsonl", self.node_id)
         self.catalog = Catalog(config.exo_home)
         self.chunk_streams = ChunkStreams(self.router)
         self.master: Master | None = None

@@ -184,7 +184,9 @@ class Master:
             case TextGeneration(command_id=command_id, params=params):
                 self._start_text_generation(command_id, params.model, command)
             case AddCustomModelCard(card=card):
-                self.emit(CustomModelCardAdded(card=card))
+                # The same card again (asked for again after a partition) changes nothing.
+                if self.state.custom_model_cards.get(ModelId(card.model_id)) != card:
+                    self.emit(CustomModelCardAdded(card=card))
             case DeleteCustomModelCard(model_id=model_id):
                 if model_id in self.state.custom_model_cards:
                     self.emit(CustomModelCardDeleted(model_id=model_id))

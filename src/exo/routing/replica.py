@@ -11,17 +11,27 @@ from loguru import logger
 from exo.routing.router import Router, Topic
 from exo.shared.apply import apply
 from exo.shared.event_log import EventLog
-from exo.shared.types.commands import RequestEventLog
+from exo.shared.types.commands import (
+    AddCustomModelCard,
+    CancelDownload,
+    Command,
+    DeleteCustomModelCard,
+    DeleteDownload,
+    RequestEventLog,
+    StartDownload,
+)
 from exo.shared.types.common import NodeId
-from exo.shared.types.events import IndexedEvent
+from exo.shared.types.events import CustomModelCardAdded, CustomModelCardDeleted, DownloadOrdered, IndexedEvent
 from exo.shared.types.state import State
 
 GAP_RETRY_SECONDS = 1.0
 
 
 class StateReplica:
-    def __init__(self, router: Router, log_path: Path) -> None:
+    def __init__(self, router: Router, log_path: Path, node_id: NodeId | None = None) -> None:
         self.router = router
+        # Which of the dropped download orders this node asks for again (its own).
+        self.node_id = node_id
         self.log = EventLog(log_path)
         self.history: list[IndexedEvent] = []
         self.state = State()
@@ -90,11 +100,14 @@ class StateReplica:
 
     def _adopt_from(self, indexed: IndexedEvent) -> None:
         """Cut the history before `indexed`, take it, and ask the master for its whole
-        log: an earlier difference shows in the replay and cuts again."""
-        kept = self.history[: indexed.idx]
+        log: an earlier difference shows in the replay and cuts again. What users asked
+        for in the dropped part (cards, download orders) is asked for again, so a write
+        accepted on the losing side of a partition is not lost."""
+        kept, dropped = self.history[: indexed.idx], self.history[indexed.idx :]
+        again = asked_again(dropped, self.node_id)
         logger.warning(
-            f"event {indexed.idx} differs from the master's: dropping {len(self.history) - len(kept)} event(s) "
-            f"this node applied apart from it and taking the master's history"
+            f"event {indexed.idx} differs from the master's: dropping {len(dropped)} event(s) "
+            f"this node applied apart from it and taking the master's history; asking again for {len(again)}"
         )
         state = State()
         for event in kept:
@@ -105,6 +118,8 @@ class StateReplica:
         self._accept(indexed)
         self._notify()
         self.router.publish(Topic.COMMANDS, RequestEventLog(since_idx=0))
+        for command in again:
+            self.router.publish(Topic.COMMANDS, command)
 
     def append(self, indexed: IndexedEvent) -> None:
         """The master's own path: durable on disk before anyone else hears of it."""
@@ -131,3 +146,29 @@ class StateReplica:
 
     def close(self) -> None:
         self.log.close()
+
+
+def asked_again(dropped: list[IndexedEvent], node_id: NodeId | None) -> list[Command]:
+    """The commands behind the users' writes among `dropped` events. Every node of the
+    losing side drops the same events: each asks again for the cards (the master adds an
+    identical card once), and only the node a download order is for asks for that."""
+    commands: list[Command] = []
+    for indexed in dropped:
+        match indexed.event:
+            case CustomModelCardAdded(card=card):
+                commands.append(AddCustomModelCard(card=card))
+            case CustomModelCardDeleted(model_id=model_id):
+                commands.append(DeleteCustomModelCard(model_id=model_id))
+            case DownloadOrdered(node_id=order_node, model_id=model_id, order=order, layers=layers) if (
+                order_node == node_id
+            ):
+                match order:
+                    case "start":
+                        commands.append(StartDownload(node_id=order_node, model_id=model_id, layers=layers))
+                    case "cancel":
+                        commands.append(CancelDownload(node_id=order_node, model_id=model_id))
+                    case "delete":
+                        commands.append(DeleteDownload(node_id=order_node, model_id=model_id))
+            case _:
+                pass
+    return commands
