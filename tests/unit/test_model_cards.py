@@ -121,6 +121,20 @@ def test_every_builtin_card_parses_and_round_trips_json():
         assert ModelCard.model_validate_json(card.model_dump_json()) == card
 
 
+def test_every_builtin_vision_card_counts_its_vision_weights():
+    """Placement puts the tower and projector on rank 0 only (their bytes added there, not
+    split with the layers): a built-in card that says vision must say how many bytes they
+    are, one figure per base model (mlx-vlm's convert leaves them bf16 at every
+    quantization), a small share of the whole."""
+    vision_cards = [card for card in builtin_cards().values() if "vision" in card.capabilities]
+    assert len(vision_cards) >= 16
+    by_base: dict[str, set[int]] = {}
+    for card in vision_cards:
+        assert 0 < card.vision_bytes < card.storage_size.in_bytes // 2, card.model_id
+        by_base.setdefault(card.base_model, set()).add(card.vision_bytes)
+    assert all(len(figures) == 1 for figures in by_base.values()), by_base
+
+
 def test_gemma_4_cards_carry_the_seed_values():
     cards = builtin_cards()
     for size, (n_layers, hidden_size, kv_heads, context_length) in GEMMA_4.items():
