@@ -1,22 +1,29 @@
-"""A real node with an admission limit of 2 (EXO_MAX_BATCH): four streams at once, two
-are stepped and two wait, and /state's runner says so (RunnerRunning activeTasks 2,
-queuedTasks 2); every stream still completes, and the runner is Ready after."""
+"""A real node with an admission limit of 2 (EXO_MAX_BATCH): two long streams are
+stepped, two more sent while they run wait, and the runner reports so (RunnerRunning
+activeTasks 2, queuedTasks 2); every stream still completes, and the runner is Ready
+after. The later two go out once the first two are stepped: sent all at once, a fast
+engine (llama.cpp on this tiny model) finished one before the last arrived. The counts
+are read from the event history, as a snapshot of /state can miss a short-lived one."""
 
 import json
 import threading
+import time
 
 import httpx
 
 from tests.support.node import TINY_MODEL_ID, running_node
 
 EOS_ID = 1  # make_tiny_llama's
+# Two long answers fit the context (4096 cells) together.
+LONG_TOKENS = 1500
+SHORT_TOKENS = 100
 
 
-def _stream(url: str, index: int, out: dict[int, int]) -> None:
+def _stream(url: str, index: int, max_tokens: int, out: dict[int, int]) -> None:
     body = {
         "model": TINY_MODEL_ID,
         "messages": [{"role": "user", "content": f"{index} the cat runs"}],
-        "max_tokens": 300,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "logit_bias": {str(EOS_ID): -100},
@@ -30,27 +37,41 @@ def _stream(url: str, index: int, out: dict[int, int]) -> None:
                     out[index] = usage["completion_tokens"]
 
 
+def _reported_counts(node) -> list[tuple[int, int]]:
+    """Every (active, queued) the runner reported, in order: from the event history, so
+    a state that lasted less than a poll of /state is not missed."""
+    return [
+        (status["activeTasks"], status["queuedTasks"])
+        for entry in node.get("/events").json()
+        if entry["event"]["kind"] == "RunnerStatusUpdated"
+        and (status := entry["event"]["status"])["kind"] == "RunnerRunning"
+    ]
+
+
+def _wait_reported(node, counts: tuple[int, int], what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while counts not in _reported_counts(node):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {_reported_counts(node)}"
+        time.sleep(0.05)
+
+
 def test_requests_beyond_the_admission_limit_are_queued_and_reported_in_state(tmp_path, tiny_models_dir):
     env = {"EXO_MODELS_DIRS": str(tiny_models_dir), "EXO_MAX_BATCH": "2"}
     with running_node(tmp_path / "home", env, models=[TINY_MODEL_ID]) as node:
         completed: dict[int, int] = {}
-        threads = [threading.Thread(target=_stream, args=(node.url, i, completed)) for i in range(4)]
-        for thread in threads:
+        sizes = [LONG_TOKENS, LONG_TOKENS, SHORT_TOKENS, SHORT_TOKENS]
+        threads = [threading.Thread(target=_stream, args=(node.url, i, n, completed)) for i, n in enumerate(sizes)]
+        for thread in threads[:2]:
             thread.start()
-        seen: set[tuple[int, int]] = set()
-
-        def queued_reported(state: dict) -> bool:
-            for status in state["runners"].values():
-                if status["kind"] == "RunnerRunning":
-                    seen.add((status["activeTasks"], status["queuedTasks"]))
-            return (2, 2) in seen
-
-        node.wait_for_state(queued_reported, timeout=120, what="2 running and 2 queued in /state")
+        _wait_reported(node, (2, 0), "the two long streams stepped")
+        for thread in threads[2:]:
+            thread.start()
+        _wait_reported(node, (2, 2), "2 running and 2 queued")
         for thread in threads:
             thread.join(timeout=300)
-        assert completed == {i: 300 for i in range(4)}
+        assert completed == dict(enumerate(sizes))
         # Never more than two stepped at once.
-        assert all(running <= 2 for running, _ in seen), seen
+        assert all(running <= 2 for running, _ in _reported_counts(node)), _reported_counts(node)
         node.wait_for_state(
             lambda s: [r["kind"] for r in s["runners"].values()] == ["RunnerReady"], timeout=30, what="ready after"
         )
