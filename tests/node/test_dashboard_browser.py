@@ -15,6 +15,7 @@ import os
 import re
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,59 @@ def test_the_cluster_page_shows_both_nodes_and_no_line_crosses_a_label(page: Pag
     assert crossings["labels"] >= 4 and crossings["out"] == [], crossings
 
 
+@dataclass
+class OpencodeRuns:
+    """Two turns of the real opencode client on the config the page copied, run in the
+    background while the other tests go on: what it printed, and the Chat Completions
+    requests the node received meanwhile (from a loopback capture)."""
+
+    outputs: list[str]
+    requests: list[dict]
+
+
+def http_requests(stream: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """(request line, body) of each request a client sent on one captured connection (a
+    kept-alive one carries several), by their Content-Length."""
+    while b"\r\n\r\n" in stream:
+        head, rest = stream.split(b"\r\n\r\n", 1)
+        lines = head.split(b"\r\n")
+        length = next(
+            (int(v) for k, _, v in (h.partition(b":") for h in lines[1:]) if k.lower() == b"content-length"), 0
+        )
+        yield lines[0], rest[:length]
+        stream = rest[length:]
+
+
+def chat_requests(streams: list[bytes]) -> list[dict]:
+    """The bodies of the Chat Completions requests among captured TCP streams."""
+    return [
+        json.loads(body)
+        for stream in streams
+        if stream.startswith((b"GET ", b"POST ", b"DELETE ", b"PUT ", b"HEAD "))
+        for line, body in http_requests(stream)
+        if line.startswith(b"POST /v1/chat/completions ")
+    ]
+
+
+def two_opencode_turns(project: Path, node: ExoNode) -> OpencodeRuns:
+    with loopback_capture([node.api_port]) as capture:
+        first = run_opencode(project, f"exo/{GREETER}", "say hello")
+        second = run_opencode(project, f"exo/{GREETER}", "once more", "--continue")
+    return OpencodeRuns([first, second], chat_requests(capture.streams([node.api_port])))
+
+
+@pytest.fixture(scope="module")
+def background() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(1) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def opencode_runs() -> list[Future[OpencodeRuns]]:
+    """Where the test that starts opencode leaves its runs for the test that checks them."""
+    return []
+
+
 def test_a_model_is_placed_from_the_models_page(page: Page, cluster: Cluster) -> None:
     goto(page, "models")
     page.locator("#model-search").fill("qwen3-thinker")
@@ -218,6 +272,30 @@ def test_a_model_is_placed_from_the_models_page(page: Page, cluster: Cluster) ->
     # "placing …" goes once the model serves.
     expect(page.locator("#placing")).not_to_contain_text("placing", timeout=5000)
     assert THINKER in [m["id"] for m in cluster[0].get("/v1/models").json()["data"]]
+
+
+def test_opencode_starts_on_the_config_the_integrations_page_copies(
+    page: Page,
+    cluster: Cluster,
+    background: ThreadPoolExecutor,
+    opencode_runs: list[Future[OpencodeRuns]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """What the Copy button puts on the clipboard, saved unchanged as a project's
+    opencode.json, for the real opencode client (npm's opencode-ai); the runs go on in the
+    background while the tests up to the downloads' go on, and are checked after them."""
+    node = cluster[0]
+    wait_serving(node, GREETER)
+    goto(page, "integrations")
+    block = page.locator("#integration-opencode")
+    expect(block).to_contain_text(GREETER)
+    block.get_by_role("button", name="Copy").click()
+    copied = page.evaluate("navigator.clipboard.readText()")
+    assert json.loads(copied)["provider"]["exo"]["models"][GREETER]["interleaved"] == {"field": "reasoning_content"}
+    project = tmp_path_factory.mktemp("opencode") / "project"
+    project.mkdir()
+    (project / "opencode.json").write_text(copied)
+    opencode_runs.append(background.submit(two_opencode_turns, project, node))
 
 
 def test_a_streamed_chat_shows_thinking_apart_and_sends_it_back(page: Page) -> None:
@@ -334,6 +412,9 @@ def test_images_are_offered_for_a_vision_model_and_sent_as_parts(page: Page, clu
     node = cluster[0]
     assert node.delete(f"/instance/{vlm_instance}").status_code == 200
     node.wait_for_state(lambda s: vlm_instance not in s["instances"], what="the VLM's instance gone")
+    # The picker's options follow what serves, and keep the model picked.
+    expect(page.locator(f'#chat-model option[value="{VLM}"]')).to_have_count(0)
+    expect(page.locator("#chat-model")).to_have_value(THINKER)
 
 
 def test_the_integrations_configs_point_here_and_mark_interleaved_per_dialect(page: Page, cluster: Cluster) -> None:
@@ -382,39 +463,6 @@ def test_the_integrations_configs_point_here_and_mark_interleaved_per_dialect(pa
         assert all(entry == expected for entry in entries), (dialect, entries)
 
 
-def chat_requests(streams: list[bytes]) -> list[dict]:
-    """The bodies of the Chat Completions requests among captured TCP streams."""
-    return [
-        json.loads(stream.split(b"\r\n\r\n", 1)[1])
-        for stream in streams
-        if stream.startswith(b"POST /v1/chat/completions ")
-    ]
-
-
-def test_the_copied_opencode_config_works_with_the_real_opencode(page: Page, cluster: Cluster, tmp_path: Path) -> None:
-    """What the Copy button puts on the clipboard, saved as a project's opencode.json
-    unchanged: the real opencode client (npm's opencode-ai) gets the greeter's answer from
-    this node, and on the next turn sends the answer's reasoning back as
-    `reasoning_content`, as the config's `interleaved` asks."""
-    node = cluster[0]
-    goto(page, "integrations")
-    page.locator("#integration-opencode").get_by_role("button", name="Copy").click()
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "opencode.json").write_text(page.evaluate("navigator.clipboard.readText()"))
-    with loopback_capture([node.api_port]) as capture:
-        first = run_opencode(project, f"exo/{GREETER}", "say hello")
-        second = run_opencode(project, f"exo/{GREETER}", "once more", "--continue")
-    assert first.strip() == "Hello from exo." and second.strip() == "Hello from exo.", (first, second)
-    bodies = [b for b in chat_requests(capture.streams([node.api_port])) if b["model"] == GREETER]
-    later = [b["messages"] for b in bodies if any(m["role"] == "assistant" for m in b["messages"])]
-    assert later, bodies
-    [assistant] = [m for m in later[-1] if m["role"] == "assistant"]
-    assert assistant["reasoning_content"].strip() == "A greeting."
-    assert assistant["content"].strip() == "Hello from exo."
-    assert "once more" in json.dumps(later[-1][-1])
-
-
 def test_stop_ends_a_streaming_reply(page: Page, cluster: Cluster, models: Path) -> None:
     """The tiny llama with its EOS banned (added to the page's request on its way out)
     writes until its context is full unless stopped."""
@@ -435,8 +483,10 @@ def test_stop_ends_a_streaming_reply(page: Page, cluster: Cluster, models: Path)
     expect(stop).to_be_disabled()
     expect(page.locator("#send-button")).to_be_enabled()
     page.unroute("**/v1/chat/completions")
-    # The page left, so the request's task ends on the cluster.
-    cluster[0].wait_for_state(lambda s: s["tasks"] == {}, timeout=15, what="no task left")
+    # The page left, so the request's task ends on the cluster (opencode's may be running).
+    cluster[0].wait_for_state(
+        lambda s: TINY_MODEL_ID not in json.dumps(s["tasks"]), timeout=15, what=f"no {TINY_MODEL_ID} task left"
+    )
 
 
 def test_a_hub_download_shows_progress_is_cancelled_resumed_placed_and_deleted(
@@ -484,6 +534,22 @@ def test_a_hub_download_shows_progress_is_cancelled_resumed_placed_and_deleted(
     goto(page, "models")
     card.get_by_role("button", name="Remove").click()
     expect(card).to_have_count(0, timeout=15000)
+
+
+def test_opencode_got_the_answer_and_sent_its_reasoning_back(opencode_runs: list[Future[OpencodeRuns]]) -> None:
+    """opencode printed the greeter's answer from this node both turns, and on the second
+    sent the first answer's reasoning back as `reasoning_content`, as the copied config's
+    `interleaved` asks."""
+    [started] = opencode_runs
+    runs = started.result(timeout=300)
+    assert [out.strip() for out in runs.outputs] == ["Hello from exo.", "Hello from exo."], runs.outputs
+    bodies = [b for b in runs.requests if b["model"] == GREETER]
+    later = [b["messages"] for b in bodies if any(m["role"] == "assistant" for m in b["messages"])]
+    assert later, bodies
+    [assistant] = [m for m in later[-1] if m["role"] == "assistant"]
+    assert assistant["reasoning_content"].strip() == "A greeting."
+    assert assistant["content"].strip() == "Hello from exo."
+    assert "once more" in json.dumps(later[-1][-1])
 
 
 def test_every_page_at_desktop_and_phone_size_fits_with_no_console_error(

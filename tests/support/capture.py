@@ -28,6 +28,13 @@ class LoopbackCapture:
         # (source port, destination port) -> sequence number -> payload
         self.flows: dict[tuple[int, int], dict[int, bytes]] = defaultdict(dict)
         self._sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        # A large receive buffer: on a busy loopback (a browser polling, a stream) the
+        # kernel's default drops frames the reading thread has not taken yet.
+        # SO_RCVBUFFORCE (33 on Linux, not in Python's socket module) passes the rmem_max cap.
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_RCVBUFFORCE", 33), 32 << 20)
+        except OSError:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 20)
         self._sock.bind(("lo", 0))
         self._sock.settimeout(0.2)
         self._stop = threading.Event()

@@ -21,11 +21,15 @@ OFFLINE_ENV = {
     "OPENCODE_DISABLE_SHARE": "1",
     "OPENCODE_DISABLE_CLAUDE_CODE": "1",
 }
-# A short system prompt and no tools: opencode's own (its agent prompt and ~20 tools'
-# schemas, ~27k tokens) takes minutes to prefill on a CPU. Given apart from the config
+# A short system prompt, no tools and no title request: opencode's own (its agent prompt
+# and ~20 tools' schemas, ~27k tokens) takes minutes to prefill on a CPU, and its title
+# agent's prompt alone ~1,900 of the scripted models' tokens. Given apart from the config
 # under test (opencode merges OPENCODE_CONFIG_CONTENT over the project's opencode.json),
 # so that file stays exactly what the user copied.
-QUICK_AGENT = {"agent": {"build": {"prompt": "You are a terse assistant."}}, "tools": {"*": False}}
+QUICK_AGENT = {
+    "agent": {"build": {"prompt": "You are a terse assistant."}, "title": {"disable": True}},
+    "tools": {"*": False},
+}
 
 
 def cache_dir() -> Path:

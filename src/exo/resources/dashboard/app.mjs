@@ -1,7 +1,7 @@
 // The dashboard's shell: the API with its key, polling State, the pages by URL hash, the
 // header and the placements under way; the Cluster and Downloads pages. What is shown is
 // computed by view.mjs; the other pages are in models.mjs, chat.mjs and integrations.mjs.
-import { $, apiError, badge, bar, el, renderInto, svg } from "./dom.mjs";
+import { $, apiError, badge, bar, el, renderInto, renderOptions, svg } from "./dom.mjs";
 import { renderIntegrations, setupIntegrations } from "./integrations.mjs";
 import { renderChat, setupChat } from "./chat.mjs";
 import { renderModels, setupModels } from "./models.mjs";
@@ -180,11 +180,8 @@ async function downloadAction(row, action) {
 
 function renderDownloadForm(state) {
   const ids = store.cards.map((card) => card.model_id);
-  renderInto($("download-model"), ids, () => ids.map((id) => el("option", { value: id }, id)));
-  const nodes = nodeRows(state);
-  renderInto($("download-node"), nodes.map((n) => [n.nodeId, n.name]), () =>
-    nodes.map((node) => el("option", { value: node.nodeId }, `on ${node.name}`)),
-  );
+  renderOptions($("download-model"), ids);
+  renderOptions($("download-node"), nodeRows(state).map((node) => [node.nodeId, `on ${node.name}`]));
 }
 
 async function startDownload(event) {

@@ -2,7 +2,7 @@
 // named with its model, rendered as Markdown, its thinking apart and collapsible, its
 // tool calls shown; earlier reasoning goes back as `reasoning_content`; images when the
 // model sees them; Stop while streaming, prefill progress and tokens/s.
-import { $, apiError, bar, el, renderInto } from "./dom.mjs";
+import { $, apiError, bar, el, renderInto, renderOptions } from "./dom.mjs";
 import { renderMarkdown } from "./markdown.mjs";
 import {
   foldChatStream,
@@ -282,7 +282,7 @@ export function renderChat(store) {
   const serving = servingModels(store.state);
   const select = $("chat-model");
   const wanted = current()?.model;
-  renderInto(select, serving, () => serving.map((id) => el("option", { value: id }, id)));
+  renderOptions(select, serving);
   if (wanted && serving.includes(wanted) && select.value !== wanted && !select.dataset.touched) select.value = wanted;
   $("chat-model-note").textContent = !serving.length
     ? "No model serves yet: place one on the Models page."

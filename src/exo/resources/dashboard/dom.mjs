@@ -45,6 +45,16 @@ export function renderInto(container, key, build) {
   container.replaceChildren(...build().filter((child) => child !== null && child !== undefined));
 }
 
+// A select's options for `values` ([value, label] pairs or plain values), rebuilt only
+// when they change and keeping the user's pick when it is still offered: a model that
+// starts serving must not switch the chat to another one.
+export function renderOptions(select, values) {
+  const pairs = values.map((v) => (Array.isArray(v) ? v : [v, v]));
+  const picked = select.value;
+  renderInto(select, pairs, () => pairs.map(([value, label]) => el("option", { value }, label)));
+  if (picked && select.value !== picked && pairs.some(([value]) => value === picked)) select.value = picked;
+}
+
 // The API answers errors in its own shape: {"error": {"message": ...}}.
 export async function apiError(response) {
   try {

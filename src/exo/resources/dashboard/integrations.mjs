@@ -1,6 +1,6 @@
 // The Integrations page: copy-paste configs for opencode, Claude Code, Codex and Open
 // WebUI, pointing at this node and listing the models the cluster serves now.
-import { $, copyButton, el, renderInto } from "./dom.mjs";
+import { $, copyButton, el, renderInto, renderOptions } from "./dom.mjs";
 import { claudeCodeEnv, codexConfig, opencodeConfig, openWebUiConfig, servingModels } from "./view.mjs";
 
 function block(name, where, text, id) {
@@ -18,7 +18,7 @@ export function renderIntegrations(store) {
   const key = window.localStorage.getItem("exo-api-key") ?? "";
   const serving = servingModels(store.state);
   const select = $("integration-model");
-  renderInto(select, serving, () => serving.map((id) => el("option", { value: id }, id)));
+  renderOptions(select, serving);
   const model = select.value || "<model id>";
   const cards = serving.map((id) => store.cards.find((card) => card.model_id === id) ?? { model_id: id });
   $("integrations-intro").textContent = serving.length
