@@ -91,12 +91,14 @@ def _free_port(kind: int = socket.SOCK_STREAM) -> int:
 
 
 def start_node(
-    home: Path, env_extra: dict[str, str], args: tuple[str, ...] = ()
+    home: Path, env_extra: dict[str, str], args: tuple[str, ...] = (), offline: bool = True
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A real node on 127.0.0.1 (offline, no multicast, its own home and namespace) and its URL."""
+    """A real node on 127.0.0.1 (offline unless told, no multicast, its own home and
+    namespace) and its URL."""
     home.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    command = [sys.executable, "-m", "exo.main", "--api-port", str(port), "--api-host", "127.0.0.1", "--offline"]
+    command = [sys.executable, "-m", "exo.main", "--api-port", str(port), "--api-host", "127.0.0.1"]
+    command += ["--offline"] if offline else []
     command += ["--no-multicast", "--discovery-port", str(_free_port(socket.SOCK_DGRAM)), "--namespace", home.name]
     env = {**os.environ, "EXO_HOME": str(home), **env_extra}
     with (home / "node.log").open("wb") as log:
