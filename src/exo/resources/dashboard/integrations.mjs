@@ -3,13 +3,22 @@
 import { $, copyButton, el, renderInto, renderOptions } from "./dom.mjs";
 import { claudeCodeEnv, codexConfig, opencodeConfig, openWebUiConfig, servingModels } from "./view.mjs";
 
+// One block per line, wrapping under its own indentation plus two: on a phone a long
+// `export` line reads as one command continued, not as two, and nothing needs scrolling.
+function codeLines(text) {
+  return text.split("\n").map((line) => {
+    const hang = line.length - line.trimStart().length + 2;
+    return el("span", { class: "line", style: `padding-left: ${hang}ch; text-indent: -${hang}ch` }, line);
+  });
+}
+
 function block(name, where, text, id) {
   return el(
     "div",
     { class: "panel integration", id: `integration-${id}` },
     el("div", { class: "title" }, el("h2", {}, name), copyButton(() => text)),
     el("p", { class: "muted" }, where),
-    el("pre", { class: "code config" }, el("code", {}, text)),
+    el("pre", { class: "code config" }, el("code", {}, codeLines(text))),
   );
 }
 
