@@ -567,7 +567,10 @@ def test_every_page_at_desktop_and_phone_size_fits_with_no_console_error(
                 page.locator("#conversation-list button.conversation", has_text="Paris weather").click()
                 expect(page.locator(".message.assistant .thinking").first).to_be_visible()
                 expect(page.locator("#chat-model")).to_have_value(THINKER)  # the conversation's own
-            page.wait_for_timeout(300)
+            # Fonts in and the page painted (no fixed wait: it was 3 s of the test).
+            page.evaluate(
+                "() => document.fonts.ready.then(() => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r))))"
+            )
             page.screenshot(path=str(SHOTS / f"{name}-{size}.png"))
             if name != "models":  # the catalog runs to many screens
                 page.screenshot(path=str(SHOTS / f"{name}-{size}-full.png"), full_page=True)
