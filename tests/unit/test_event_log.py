@@ -1,11 +1,12 @@
 """The master's event log survives a restart, and a power cut mid-write costs at most
-the event being written, never the log's readability."""
+the event being written, never the log's readability. Events are read back from disk,
+by index, slice or from an index on."""
 
 from pathlib import Path
 
 import pytest
 
-from exo.shared.event_log import EventLog, read_event_log
+from exo.shared.event_log import EventLog, scan_event_log
 from exo.shared.types.common import NodeId, TaskId
 from exo.shared.types.events import (
     IndexedEvent,
@@ -38,8 +39,10 @@ def write_log(path: Path, written: list[IndexedEvent]) -> None:
 
 def reopen(path: Path) -> list[IndexedEvent]:
     log = EventLog(path)
+    read = list(log.since(0))
+    assert read == list(log) == log[:]  # the three ways of reading agree
     log.close()
-    return log.events
+    return read
 
 
 def test_a_new_log_starts_empty(log_path: Path):
@@ -88,19 +91,31 @@ def test_append_after_a_torn_line_leaves_a_clean_readable_log(log_path: Path, ta
 
 def test_reading_stops_at_an_index_gap(log_path: Path):
     write_log(log_path, events(2) + events(2, start=3))
-    read, intact_bytes = read_event_log(log_path)
-    assert read == events(2)
+    offsets, intact_bytes = scan_event_log(log_path)
+    assert reopen(log_path) == events(2) and len(offsets) == 2
     assert intact_bytes == sum(len(e.model_dump_json()) + 1 for e in events(2))
 
 
-def test_a_rewritten_log_holds_exactly_the_new_history_and_takes_appends(log_path: Path):
-    # A node that adopts the master's history after a partition rewrites its log.
+def test_a_truncated_log_holds_exactly_the_kept_events_and_takes_appends(log_path: Path):
+    # A node that adopts the master's history after a partition cuts its own from the
+    # first difference on, then appends the master's.
     log = EventLog(log_path)
     for event in events(6):
         log.append(event)
-    master_history = events(3) + [IndexedEvent(idx=3, event=TaskDeleted(task_id=TaskId("from-the-master")))]
-    log.rewrite(master_history)
-    log.append(events(1, start=4)[0])
+    log.truncate(3)
+    assert len(log) == 3 and log[-1] == events(3)[2]
+    from_the_master = IndexedEvent(idx=3, event=TaskDeleted(task_id=TaskId("from-the-master")))
+    log.append(from_the_master)
+    assert log[3] == from_the_master and log[1] == events(3)[1]
+    assert list(log.since(2)) == [events(3)[2], from_the_master]
     log.close()
-    assert reopen(log_path) == [*master_history, *events(1, start=4)]
-    assert not log_path.with_suffix(".rewrite").exists()
+    assert reopen(log_path) == [*events(3), from_the_master]
+
+
+def test_reading_past_the_end_is_an_index_error(log_path: Path):
+    write_log(log_path, events(2))
+    log = EventLog(log_path)
+    with pytest.raises(IndexError):
+        log[2]
+    assert log[-1] == events(2)[1] and list(log.since(5)) == []
+    log.close()

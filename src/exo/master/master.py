@@ -195,7 +195,7 @@ class Master:
             case MoveRingPort(instance_id=instance_id, node_id=node_id, host=host):
                 self._move_ring_port(instance_id, node_id, host)
             case RequestEventLog(since_idx=since_idx):
-                for indexed in self.replica.history[since_idx:]:
+                for indexed in self.replica.history.since(since_idx):
                     self.router.publish(Topic.GLOBAL_EVENTS, indexed)
             case TaskFinished(finished_command_id=finished_command_id):
                 for task in list(self.state.tasks.values()):

@@ -33,11 +33,9 @@ class StateReplica:
         # Which of the dropped download orders this node asks for again (its own).
         self.node_id = node_id
         self.log = EventLog(log_path)
-        self.history: list[IndexedEvent] = []
         self.state = State()
-        for indexed in self.log.events:
+        for indexed in self.log.since(0):
             self.state = apply(self.state, indexed)
-            self.history.append(indexed)
         self._events = router.subscribe_with_origin(Topic.GLOBAL_EVENTS)
         # The elected master (set by the node): after a partition heals, its history wins.
         self.master_id: NodeId | None = None
@@ -46,6 +44,11 @@ class StateReplica:
         self._gap_requested_time = 0.0
         self._changed = asyncio.Event()
         self._listeners: list[Callable[[State], None]] = []
+
+    @property
+    def history(self) -> EventLog:
+        """Every event this node applied, in order (read from its log on disk)."""
+        return self.log
 
     def on_change(self, listener: Callable[[State], None]) -> None:
         self._listeners.append(listener)
@@ -69,7 +72,7 @@ class StateReplica:
         if origin is not None and self.master_id is not None and origin != self.master_id:
             return
         if indexed.idx <= self.state.last_event_applied_idx:
-            if origin is not None and origin == self.master_id and self.history[indexed.idx] != indexed:
+            if origin is not None and origin == self.master_id and self.log[indexed.idx] != indexed:
                 self._adopt_from(indexed)
             return
         self._early[indexed.idx] = indexed
@@ -103,17 +106,17 @@ class StateReplica:
         log: an earlier difference shows in the replay and cuts again. What users asked
         for in the dropped part (cards, download orders) is asked for again, so a write
         accepted on the losing side of a partition is not lost."""
-        kept, dropped = self.history[: indexed.idx], self.history[indexed.idx :]
+        dropped = list(self.log.since(indexed.idx))
         again = asked_again(dropped, self.node_id)
         logger.warning(
             f"event {indexed.idx} differs from the master's: dropping {len(dropped)} event(s) "
             f"this node applied apart from it and taking the master's history; asking again for {len(again)}"
         )
         state = State()
-        for event in kept:
+        for event in self.log.since(0, indexed.idx):
             state = apply(state, event)
-        self.state, self.history = state, list(kept)
-        self.log.rewrite(self.history)
+        self.state = state
+        self.log.truncate(indexed.idx)
         self._early = {i: e for i, e in self._early.items() if i > indexed.idx}
         self._accept(indexed)
         self._notify()
@@ -129,7 +132,6 @@ class StateReplica:
     def _accept(self, indexed: IndexedEvent) -> None:
         self.state = apply(self.state, indexed)
         self.log.append(indexed)
-        self.history.append(indexed)
 
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
