@@ -80,7 +80,10 @@ def test_stream_events_come_in_order_and_concatenate_to_the_non_streaming_text(n
     assert streamed == final.content[0].text == whole.content[0].text
     assert final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
-    assert final.usage.input_tokens == whole.usage.input_tokens > 0
+    # The second request reads the first's prompt from the prefix cache: Anthropic's
+    # usage counts those tokens apart, so the prompt is the two parts together.
+    assert prompt_tokens(final.usage) == prompt_tokens(whole.usage) > 0
+    assert (whole.usage.cache_read_input_tokens or 0) > 0, whole.usage
 
 
 def test_usage_equals_openai_chat_for_the_same_greedy_request(node: ExoNode):
@@ -89,10 +92,15 @@ def test_usage_equals_openai_chat_for_the_same_greedy_request(node: ExoNode):
         model=TINY_MODEL_ID, messages=HELLO, max_tokens=8, temperature=0
     )
     assert message.content[0].text == chat.choices[0].message.content
-    assert (message.usage.input_tokens, message.usage.output_tokens) == (
+    assert (prompt_tokens(message.usage), message.usage.output_tokens) == (
         chat.usage.prompt_tokens,
         chat.usage.completion_tokens,
     )
+
+
+def prompt_tokens(usage) -> int:
+    """The whole prompt: read fresh, read from the cache, written to it."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
 
 
 def test_system_prompt_as_blocks_and_a_stray_system_message_are_accepted(node: ExoNode):
@@ -207,7 +215,7 @@ def test_thinking_text_and_tool_use_chunks_become_blocks_in_order():
         chunk(
             tool_calls=[ToolCall(id="call_1", name="get_weather", arguments='{"city": "Oslo"}')],
             finish_reason="tool_calls",
-            usage=Usage(prompt_tokens=7, completion_tokens=9),
+            usage=Usage(prompt_tokens=7, completion_tokens=9, cached_tokens=3),
         ),
     ]
     events = [event for c in chunks for event in encoder.feed(c)]
@@ -232,7 +240,12 @@ def test_thinking_text_and_tool_use_chunks_become_blocks_in_order():
     assert events[3]["delta"] == {"type": "thinking_delta", "thinking": "Let me "}
     assert events[10]["delta"] == {"type": "input_json_delta", "partial_json": '{"city": "Oslo"}'}
     assert events[12]["delta"]["stop_reason"] == "tool_use"
-    assert events[12]["usage"] == {"input_tokens": 7, "output_tokens": 9}
+    assert events[12]["usage"] == {
+        "input_tokens": 7 - 3,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 3,
+        "output_tokens": 9,
+    }
     body = encoder.body()
     assert body["content"] == [
         {"type": "thinking", "thinking": "Let me think.", "signature": ""},

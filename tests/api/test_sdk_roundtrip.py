@@ -186,7 +186,7 @@ class AnthropicMessages:
         if not stream:
             message = self.sdk.messages.create(**kwargs)
             blocks = [block.model_dump() for block in message.content]
-            return self._turn(blocks, message.stop_reason, (message.usage.input_tokens, message.usage.output_tokens))
+            return self._turn(blocks, message.stop_reason, (_prompt_tokens(message.usage), message.usage.output_tokens))
         blocks: dict[int, dict[str, Any]] = {}
         stop, usage = "", (0, 0)
         for event in self.sdk.messages.create(**kwargs, stream=True):
@@ -208,7 +208,7 @@ class AnthropicMessages:
                     block["input"] = json.loads(block["partial_json"])
             elif event.type == "message_delta":
                 stop = event.delta.stop_reason
-                usage = (event.usage.input_tokens or usage[0], event.usage.output_tokens)
+                usage = (_prompt_tokens(event.usage) or usage[0], event.usage.output_tokens)
         ordered = [{k: v for k, v in blocks[i].items() if k != "partial_json"} for i in sorted(blocks)]
         return self._turn(ordered, stop, usage)
 
@@ -369,3 +369,8 @@ def test_an_aborted_stream_frees_the_runner_within_2_s(node: ExoNode, api_name: 
     api = APIS[api_name](node)
     turn = api.ask(RANDOM_MODEL, api.start("Hello there"), stream=False)
     assert turn.usage[1] > 0
+
+
+def _prompt_tokens(usage: Any) -> int:
+    """Anthropic's usage splits the prompt: read fresh, and read from the prefix cache."""
+    return (usage.input_tokens or 0) + (usage.cache_read_input_tokens or 0)

@@ -209,6 +209,8 @@ class MessageEncoder(Encoder):
         self._open = False
         self._started = False
         self.input_tokens = 0
+        # Of the prompt, the tokens an earlier request's cache already held.
+        self.cached_tokens = 0
         self.output_tokens = 0
         self.stop_reason: StopReason | None = None
         self.stop_sequence: str | None = None
@@ -223,7 +225,18 @@ class MessageEncoder(Encoder):
             "content": self.blocks,
             "stop_reason": self.stop_reason,
             "stop_sequence": self.stop_sequence,
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens},
+            "usage": self._usage(),
+        }
+
+    def _usage(self) -> dict[str, int]:
+        """Anthropic's split: `input_tokens` are the prompt tokens read fresh, those the
+        prefix cache held are `cache_read_input_tokens` (exo caches on its own, so none
+        are written on request)."""
+        return {
+            "input_tokens": self.input_tokens - self.cached_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": self.cached_tokens,
+            "output_tokens": self.output_tokens,
         }
 
     def _close_block(self) -> list[dict[str, Any]]:
@@ -253,7 +266,7 @@ class MessageEncoder(Encoder):
             self._started = True
             if chunk.prefill is not None:
                 self.input_tokens = chunk.prefill.total_tokens
-            start = {**self._message(), "content": [], "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}
+            start = {**self._message(), "content": []}
             events.append({"type": "message_start", "message": start})
         if chunk.finish_reason == "error":
             self.error = chunk.error_message or "generation failed"
@@ -282,12 +295,12 @@ class MessageEncoder(Encoder):
             events += self._close_block()
             if chunk.usage is not None:
                 self.input_tokens = chunk.usage.prompt_tokens
+                self.cached_tokens = chunk.usage.cached_tokens
                 self.output_tokens = chunk.usage.completion_tokens
             self.stop_reason = stop_reason(chunk.finish_reason, chunk.stop_sequence)
             self.stop_sequence = chunk.stop_sequence
-            usage = {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
             delta = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
-            events += [{"type": "message_delta", "delta": delta, "usage": usage}, {"type": "message_stop"}]
+            events += [{"type": "message_delta", "delta": delta, "usage": self._usage()}, {"type": "message_stop"}]
         return events
 
     def wire(self, event: Event) -> str:
