@@ -197,6 +197,30 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
         {"role": "assistant", "content": "Hm"},
     ]
 
+    # Tool results the user gave go back as tool messages after the calls; the page offers
+    # to answer the calls of the last reply that have none, until a question follows.
+    assert shown["pendingAfterStop"] == []
+    get_time = {"id": "call_1_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    assert shown["toolRoundMessages"] == [
+        {"role": "user", "content": "weather and time?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Two tools.",
+            "tool_calls": [
+                {
+                    "id": "call_w",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+                get_time,
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_w", "content": "sunny"},
+    ]
+    assert shown["toolRoundPending"] == [get_time]
+    assert shown["toolRoundAnswered"] == [] and shown["toolRoundAsked"] == []
+
     # Markdown: escaped, code blocks kept verbatim, only http(s) links, an open fence shown.
     rich, hostile, open_fence = shown["markdown"]
     assert "<strong>bold</strong>" in rich and "<code>code &lt;b&gt;</code>" in rich and "<em>it</em>" in rich

@@ -2,13 +2,14 @@
 (/usr/bin/chromium, never a downloaded browser) against two real nodes joined over
 loopback, with scripted thinking models (devtools/scripted_models.py) and the fake hub
 (tests/support/fake_hub.py) for downloads. Every page loads with no console error; a
-model is placed from the Models page; a streamed chat shows thinking and tool calls apart
-and sends both back (`reasoning_content`, `tool_calls`); the Integrations page's opencode
-JSON marks `interleaved` per reasoning dialect, and the copied config works in the real
-opencode client (npm's opencode-ai, run offline), which sends the reasoning back; a hub
-model's download shows progress, is cancelled, resumed and deleted; the API key prompt.
-Screenshots of every page at 1440x900 and 390x844 go to $EXO_TEST_ARTIFACTS/dashboard
-(default /tmp/exo-dashboard-shots/dashboard)."""
+model is placed from the Models page; a streamed chat shows thinking and tool calls apart,
+takes the tool's result from the user and sends all of it back (`reasoning_content`,
+`tool_calls`, `tool` messages); the Integrations page's opencode JSON marks `interleaved`
+per reasoning dialect, and the copied config works in the real opencode client (npm's
+opencode-ai, run offline), which sends the reasoning back; a hub model's download shows
+progress, is cancelled, resumed and deleted; the API key prompt. Screenshots of every
+page at 1440x900 and 390x844 go to $EXO_TEST_ARTIFACTS/dashboard (default
+/tmp/exo-dashboard-shots/dashboard)."""
 
 import json
 import os
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, Playwright, Request, Route, expect, sync_playwright
 
-from exo.devtools.scripted_families import FAMILY_SCRIPTS, GET_WEATHER_TOOL
+from exo.devtools.scripted_families import AFTER_TOOL_RESULT_SCRIPTS, FAMILY_SCRIPTS, GET_WEATHER_TOOL
 from exo.devtools.scripted_models import make_scripted_model
 from exo.devtools.tiny_models import make_tiny_llama
 from exo.devtools.tiny_vlms import make_tiny_vlm
@@ -34,7 +35,8 @@ from tests.support.opencode import run_opencode
 
 CHROMIUM = "/usr/bin/chromium"
 THINKER = "scripted/qwen3-thinker"
-SCRIPT = FAMILY_SCRIPTS["qwen3"]
+SCRIPT = FAMILY_SCRIPTS["qwen3"]  # thinks, then calls get_weather
+AFTER_TOOL = AFTER_TOOL_RESULT_SCRIPTS["qwen3"]  # given the tool's result: thinks, answers
 HUB_MODEL = "acme/hub-model"
 VLM = "acme/qwen2.5-vl-tiny"
 # What opencode talks to: a Qwen3 that thinks, then greets (no tool call: opencode runs
@@ -68,7 +70,9 @@ def keyed_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[ExoN
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     models = tmp_path_factory.mktemp("models")
-    make_scripted_model(models / THINKER.replace("/", "--"), "qwen3", SCRIPT.script)
+    make_scripted_model(
+        models / THINKER.replace("/", "--"), "qwen3", SCRIPT.script, after_tool_result=AFTER_TOOL.script
+    )
     make_tiny_llama(models / TINY_MODEL_ID.replace("/", "--"))
     make_tiny_vlm(models / VLM.replace("/", "--"), "qwen2_5_vl")
     make_scripted_model(models / GREETER.replace("/", "--"), "qwen3", GREETER_SCRIPT)
@@ -337,26 +341,47 @@ def test_a_streamed_chat_shows_thinking_apart_and_sends_it_back(page: Page) -> N
     states = page.evaluate("window.stopStates")
     assert states[0] is True and False in states and states[-1] is True, states
 
-    # The next turn sends the earlier reasoning back, as the page builds the request.
-    page.locator("#chat-input").fill("And tomorrow?")
+    # The call answered from the page: the result goes back as a tool message after the
+    # call (Chat Completions' shape), the reasoning with it, and the model answers from it.
+    page.locator(".tool-result input").fill('{"sky": "sunny"}')
     with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
-        page.locator("#chat-input").press("Enter")
+        page.locator(".tool-result").get_by_role("button", name="Send result").click()
     body = posted_json(sent.value)
     assert body["model"] == THINKER and body["stream"] is True
-    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
-    assistant = body["messages"][1]
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool"]
+    assistant, result = body["messages"][1:]
     assert assistant["reasoning_content"] == SCRIPT.reasoning and assistant["content"] == SCRIPT.content
-    # Its tool call too, as Chat Completions has it (the page runs no tool: no tool message).
     [call] = assistant["tool_calls"]
     assert call["id"] and call["type"] == "function", call
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert result == {"role": "tool", "tool_call_id": call["id"], "content": '{"sky": "sunny"}'}
+    answer = page.locator(".message.assistant").last
+    expect(answer.locator(".stats")).to_contain_text("tokens", timeout=30000)
+    expect(answer.locator(".content")).to_have_text(AFTER_TOOL.content)
+    expect(answer.locator(".thinking-text")).to_have_text(AFTER_TOOL.reasoning)
+    expect(page.locator(".message.tool")).to_contain_text('get_weather: {"sky": "sunny"}')
+    expect(page.locator(".tool-result")).to_have_count(0)
+
+    # The next question sends every earlier turn back, each reply's reasoning with it.
+    page.locator("#chat-input").fill("And tomorrow?")
+    with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
+        page.locator("#chat-input").press("Enter")
+    messages = posted_json(sent.value)["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "user"]
+    assert messages[1]["tool_calls"] == [call] and messages[2] == result
+    assert messages[3] == {
+        "role": "assistant",
+        "content": AFTER_TOOL.content,
+        "reasoning_content": AFTER_TOOL.reasoning,
+    }
     expect(page.locator(".message.assistant").last.locator(".stats")).to_contain_text("tokens", timeout=30000)
 
     # Kept in the browser: a reload shows the conversation; rename and delete work.
     page.reload()
     goto(page, "chat")
-    expect(page.locator(".message.assistant")).to_have_count(2)
+    expect(page.locator(".message.assistant")).to_have_count(3)
+    expect(page.locator(".message.tool")).to_have_count(1)
     item = page.locator("#conversation-list li.active")
     expect(item).to_contain_text("What is the weather in Paris?")
     item.get_by_role("button", name="Rename").click()
@@ -368,7 +393,7 @@ def test_a_streamed_chat_shows_thinking_apart_and_sends_it_back(page: Page) -> N
     page.locator("#conversation-list li.active").get_by_role("button", name="Delete").click()
     expect(page.locator("#conversation-list li")).to_have_count(1)
     stored = json.loads(page.evaluate("localStorage.getItem('exo-conversations')"))
-    assert [c["title"] for c in stored] == ["Paris weather"] and len(stored[0]["messages"]) == 4
+    assert [c["title"] for c in stored] == ["Paris weather"] and len(stored[0]["messages"]) == 6
 
 
 def with_body(page: Page, extra: dict) -> None:
@@ -464,10 +489,11 @@ def test_the_integrations_configs_point_here_and_mark_interleaved_per_dialect(pa
 
 
 def test_stop_ends_a_streaming_reply(page: Page, cluster: Cluster, models: Path) -> None:
-    """The tiny llama with its EOS banned (added to the page's request on its way out)
-    writes until its context is full unless stopped."""
+    """The tiny llama with its EOS banned and room for 4,000 tokens (added to the page's
+    request on its way out) writes until its context is full unless stopped (the default
+    1,024 tokens could end under a slow click)."""
     eos = json.loads((models / TINY_MODEL_ID.replace("/", "--") / "config.json").read_text())["eos_token_id"]
-    with_body(page, {"logit_bias": {str(eos): -100}})
+    with_body(page, {"logit_bias": {str(eos): -100}, "max_tokens": 4000})
     goto(page, "chat")
     page.locator("#new-chat").click()
     page.locator("#chat-model").select_option(TINY_MODEL_ID)

@@ -59,6 +59,24 @@ const conversation = {
   ],
 };
 
+// A reply's two calls, one answered by the user: the other is still pending.
+const toolRound = {
+  messages: [
+    { role: "user", content: "weather and time?" },
+    {
+      role: "assistant",
+      model: "m",
+      content: "",
+      reasoning: "Two tools.",
+      toolCalls: [
+        { id: "call_w", name: "get_weather", arguments: '{"city": "Paris"}' },
+        { name: "get_time", arguments: "{}" },
+      ],
+    },
+    { role: "tool", toolCallId: "call_w", name: "get_weather", content: "sunny" },
+  ],
+};
+
 console.log(
   JSON.stringify({
     nodes: view.nodeRows(state),
@@ -77,6 +95,13 @@ console.log(
     dirs: view.modelDirs(state),
     opencode: view.opencodeConfig("http://host:52415", cards),
     requestMessages: view.requestMessages(conversation),
+    pendingAfterStop: view.pendingToolCalls(conversation),
+    toolRoundMessages: view.requestMessages(toolRound),
+    toolRoundPending: view.pendingToolCalls(toolRound),
+    toolRoundAnswered: view.pendingToolCalls({
+      messages: [...toolRound.messages, { role: "tool", toolCallId: "call_1_1", name: "get_time", content: "noon" }],
+    }),
+    toolRoundAsked: view.pendingToolCalls({ messages: [...toolRound.messages, { role: "user", content: "never mind" }] }),
     markdown: markdownSamples.map((sample) => markdown.renderMarkdown(sample)),
     reply,
     leftover: buffer,

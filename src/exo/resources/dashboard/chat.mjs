@@ -10,6 +10,7 @@ import {
   loadConversations,
   newConversation,
   parseSse,
+  pendingToolCalls,
   replyStats,
   requestMessages,
   saveConversations,
@@ -23,6 +24,7 @@ let currentId = null;
 let streaming = null; // {abort, conversationId}
 let attachments = [];
 let renaming = null;
+let chatStore = null; // the app's store, for the tool results' forms
 
 function current() {
   return conversations.find((c) => c.id === currentId) ?? null;
@@ -125,6 +127,14 @@ function replyParts(message, live) {
 }
 
 function messageView(message, live = false) {
+  if (message.role === "tool") {
+    return el(
+      "div",
+      { class: "message tool" },
+      el("span", { class: "tool-label" }, "tool result"),
+      el("code", {}, `${message.name}: ${message.content}`),
+    );
+  }
   if (message.role === "user") {
     return el(
       "div",
@@ -144,8 +154,32 @@ function renderTranscript() {
     box.replaceChildren(el("p", { class: "muted empty" }, "Pick a serving model and ask something."));
     return;
   }
-  box.replaceChildren(...conversation.messages.map((m, i) => messageView(m, streaming && i === conversation.messages.length - 1)));
+  const pending = streaming ? [] : pendingToolCalls(conversation);
+  box.replaceChildren(
+    ...conversation.messages.map((m, i) => messageView(m, streaming && i === conversation.messages.length - 1)),
+    ...pending.map((call) => toolResultForm(conversation, call)),
+  );
   box.scrollTop = box.scrollHeight;
+}
+
+// The page runs no tool: the user answers each call of the last reply, and once all are
+// answered the results go to the model for its next reply.
+function toolResultForm(conversation, call) {
+  const input = el("input", { name: "result", "aria-label": `result of ${call.function.name}`, placeholder: 'what the tool returned, e.g. {"temperature": 21}' });
+  const submit = (event) => {
+    event.preventDefault();
+    if (streaming || !input.value.trim()) return;
+    conversation.messages.push({ role: "tool", toolCallId: call.id, name: call.function.name, content: input.value.trim() });
+    save();
+    if (pendingToolCalls(conversation).length) renderTranscript();
+    else reply(chatStore, conversation, $("chat-model").value || conversation.model);
+  };
+  return el(
+    "form",
+    { class: "tool-result", "data-call": call.id, onsubmit: submit },
+    el("label", {}, el("span", { class: "tool-label" }, "result of"), el("code", {}, `${call.function.name}(${call.function.arguments})`)),
+    el("div", { class: "tool-result-row" }, input, el("button", { type: "submit" }, "Send result")),
+  );
 }
 
 function updateControls(store) {
@@ -203,13 +237,20 @@ async function send(store, event) {
     $("chat-status").textContent = "No model serves yet: place one on the Models page.";
     return;
   }
-  const tools = toolsGiven();
-  if (tools === undefined) return;
+  if (toolsGiven() === undefined) return;
   if (!current()) startNew(store);
   const conversation = current();
   if (conversation.messages.length === 0) conversation.title = titleFrom(text);
-  conversation.model = model;
   conversation.messages.push({ role: "user", content: text, ...(attachments.length ? { images: attachments } : {}) });
+  $("chat-input").value = "";
+  await reply(store, conversation, model);
+}
+
+// Streams the model's reply to the conversation as it stands, with the tools box's tools.
+async function reply(store, conversation, model) {
+  const tools = toolsGiven();
+  if (tools === undefined) return;
+  conversation.model = model;
   const body = {
     model,
     messages: requestMessages(conversation),
@@ -217,11 +258,10 @@ async function send(store, event) {
     stream_options: { include_usage: true },
     ...(tools ? { tools } : {}),
   };
-  const reply = { role: "assistant", model, content: "" };
-  conversation.messages.push(reply);
+  const answer = { role: "assistant", model, content: "" };
+  conversation.messages.push(answer);
   attachments = [];
   renderAttachments();
-  $("chat-input").value = "";
   $("chat-status").textContent = "";
   streaming = { abort: new AbortController(), conversationId: conversation.id };
   save();
@@ -231,7 +271,7 @@ async function send(store, event) {
   const timings = { start: performance.now() };
   let folded = {};
   const show = () => {
-    Object.assign(reply, {
+    Object.assign(answer, {
       content: folded.content ?? "",
       reasoning: folded.reasoning,
       toolCalls: folded.toolCalls,
@@ -240,7 +280,7 @@ async function send(store, event) {
     });
     const live = $("transcript").querySelector(".message.live");
     if (live && currentId === conversation.id) {
-      live.replaceChildren(...replyParts(reply, true));
+      live.replaceChildren(...replyParts(answer, true));
       $("transcript").scrollTop = $("transcript").scrollHeight;
     }
   };
@@ -269,8 +309,8 @@ async function send(store, event) {
   }
   timings.end = performance.now();
   show();
-  delete reply.prefill;
-  reply.stats = replyStats(folded, timings);
+  delete answer.prefill;
+  answer.stats = replyStats(folded, timings);
   streaming = null;
   save();
   renderTranscript();
@@ -293,6 +333,7 @@ export function renderChat(store) {
 }
 
 export function setupChat(store) {
+  chatStore = store;
   conversations = loadConversations(window.localStorage);
   const saved = window.localStorage.getItem(CURRENT_KEY);
   currentId = conversations.some((c) => c.id === saved) ? saved : (conversations[0]?.id ?? null);

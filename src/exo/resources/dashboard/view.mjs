@@ -574,11 +574,21 @@ export function requestToolCalls(message, turn) {
     }));
 }
 
+// The calls of the conversation's last reply that have no result yet, with the ids the
+// request gives them: what the page offers to answer.
+export function pendingToolCalls(conversation) {
+  const messages = conversation.messages;
+  const turn = messages.findLastIndex((m) => m.role === "assistant");
+  if (turn < 0 || messages.slice(turn + 1).some((m) => m.role === "user")) return [];
+  const answered = new Set(messages.slice(turn + 1).map((m) => m.toolCallId));
+  return requestToolCalls(messages[turn], turn).filter((call) => !answered.has(call.id));
+}
+
 // What the chat sends: each earlier assistant turn carries its reasoning back as
 // `reasoning_content` (the dialects that use it need it; the others ignore it) and its
 // tool calls as `tool_calls` (the templates render them, so the model sees what it asked
-// for; the page runs no tools, so no tool message follows), images as Chat Completions
-// image_url parts.
+// for), then the results the user gave for them as `tool` messages; images as Chat
+// Completions image_url parts.
 export function requestMessages(conversation) {
   return conversation.messages
     .map((m, turn) => [m, turn])
@@ -591,6 +601,7 @@ export function requestMessages(conversation) {
         if (calls.length) out.tool_calls = calls;
         return out;
       }
+      if (m.role === "tool") return { role: "tool", tool_call_id: m.toolCallId, content: m.content };
       if (m.images?.length) {
         return {
           role: m.role,
