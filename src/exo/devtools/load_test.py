@@ -33,6 +33,8 @@ WORDS = "the cluster node model token answer stream runner request memory".split
 # Memory may settle higher after the first minutes (caches, allocator arenas); more
 # than this is a leak.
 MAX_MEMORY_GROWTH = 1.5
+# From a quarter of the way in to the end, the batch full all along: a leak, not caches.
+MAX_MEMORY_GROWTH_UNDER_LOAD = 1.1
 
 
 @dataclass
@@ -54,6 +56,9 @@ class LoadResult:
     p50_s: float
     p95_s: float
     memory_before: int
+    # Once the clients have filled the batch (a quarter of the way in): from here on a
+    # leak shows as growth, where before it the batch's own caches are still arriving.
+    memory_loaded: int
     memory_after: int
     tasks_left: int
     runners: list[str]
@@ -63,6 +68,10 @@ class LoadResult:
     def memory_growth(self) -> float:
         return self.memory_after / max(self.memory_before, 1)
 
+    @property
+    def memory_growth_under_load(self) -> float:
+        return self.memory_after / max(self.memory_loaded, 1)
+
     def problems(self) -> list[str]:
         found = [f"{len(self.errors)} stream(s) failed, first: {self.errors[0]}"] if self.errors else []
         if self.tasks_left:
@@ -71,6 +80,8 @@ class LoadResult:
             found.append(f"runners {self.runners}, {self.runner_processes} runner process(es)")
         if self.memory_growth > MAX_MEMORY_GROWTH:
             found.append(f"memory grew x{self.memory_growth:.2f}")
+        if self.memory_growth_under_load > MAX_MEMORY_GROWTH_UNDER_LOAD:
+            found.append(f"memory grew x{self.memory_growth_under_load:.2f} after the batch filled")
         return found
 
     def report(self) -> str:
@@ -78,8 +89,9 @@ class LoadResult:
             f"{self.clients} clients for {self.seconds:.0f} s: {self.streams} streams "
             f"({self.streams / self.seconds:.1f}/s), {self.tokens} tokens, {len(self.errors)} errors; "
             f"stream time p50 {self.p50_s:.2f} s, p95 {self.p95_s:.2f} s; "
-            f"memory {self.memory_before / 2**20:.0f} -> {self.memory_after / 2**20:.0f} MiB "
-            f"(x{self.memory_growth:.2f}); after: {self.tasks_left} tasks, runners {self.runners}, "
+            f"memory {self.memory_before / 2**20:.0f} MiB idle, {self.memory_loaded / 2**20:.0f} MiB a quarter in, "
+            f"{self.memory_after / 2**20:.0f} MiB after (x{self.memory_growth:.2f} from idle, "
+            f"x{self.memory_growth_under_load:.2f} under load); after: {self.tasks_left} tasks, runners {self.runners}, "
             f"{self.runner_processes} runner process(es)"
         )
 
@@ -217,6 +229,8 @@ def run_load(clients: int, seconds: float, scratch: Path) -> LoadResult:
         started = time.monotonic()
         for thread in threads:
             thread.start()
+        time.sleep(seconds / 4)
+        memory_loaded, _ = _tree_rss(process.pid)
         for thread in threads:
             thread.join()
         elapsed = time.monotonic() - started
@@ -237,6 +251,7 @@ def run_load(clients: int, seconds: float, scratch: Path) -> LoadResult:
             p50_s=statistics.median(times),
             p95_s=times[int(0.95 * (len(times) - 1))],
             memory_before=memory_before,
+            memory_loaded=memory_loaded,
             memory_after=memory_after,
             tasks_left=len(state["tasks"]),
             runners=[r["kind"] for r in state["runners"].values()],
