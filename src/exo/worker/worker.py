@@ -265,7 +265,11 @@ class Worker:
             case RunnerStep(runner_id=runner_id, instruction=instruction):
                 self.supervisors[runner_id].send(instruction)
             case ForwardTask(runner_id=runner_id, task_id=task_id):
-                self.forwarded[runner_id].add(task_id)
+                # Tasks gone from State never come back: forget them, so the set does
+                # not grow with every request the runner has served.
+                forwarded = self.forwarded[runner_id]
+                forwarded.intersection_update(state.tasks)
+                forwarded.add(task_id)
                 task = await with_image_bytes(
                     state.tasks[task_id], images_dir(self.exo_home), state, self.node_id, self.peer_token
                 )
