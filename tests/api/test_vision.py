@@ -304,6 +304,11 @@ def test_bad_images_are_a_400_naming_the_problem(node: ExoNode, image_server: st
         "failed": _chat_body(_image_part("http://127.0.0.1:9/none.png")),
         "neither a data URL": _chat_body(_image_part("file:///etc/passwd")),
         "cannot read input_audio": _chat_body({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}),
+        # Decodes, but the model's processor refuses it (Qwen's aspect ratio limit is 200).
+        "aspect ratio": {
+            **_chat_body(_image_part(_data_url(noise_png(6, size=(1, 600))))),
+            "model": VLM_MODELS["qwen2_5_vl"],
+        },
     }
     for expected, body in cases.items():
         response = node.post("/v1/chat/completions", json=body)

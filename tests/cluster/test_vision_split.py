@@ -148,3 +148,22 @@ def test_images_cross_the_cluster_once_by_hash(cluster: Cluster, vlm_dir: Path) 
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert follow_up.usage.completion_tokens == 1
     assert transfers == 1
+
+
+def test_an_image_rank_0_cannot_prepare_fails_its_request_alone(cluster: Cluster, vlm_dir: Path) -> None:
+    """A 1x600 image passes the API's checks (it decodes) but not Qwen's processor (an aspect ratio over 200), which
+    only rank 0 runs: the other rank hears of the failure instead of waiting for
+    features, the client gets a 400 naming the problem, and the instance serves on."""
+    model = VLM_MODELS["qwen3_vl"]
+    instance = _place_split(cluster[0], model, "Pipeline")
+    with pytest.raises(openai.BadRequestError) as refused:
+        _first_token(cluster[0], model, [_user_turn(noise_png(6, size=(1, 600)))])
+    data = IMAGES["first"]
+    _, logprobs = vlm_reference(vlm_dir / model.replace("/", "--"), QUESTION, Image.open(io.BytesIO(data)))
+    served = _first_token(cluster[1], model, [_user_turn(data)])
+    runners = [r["kind"] for r in cluster[0].state()["runners"].values()]
+    print(f"1x600 image: {refused.value}; then runners {runners}")
+    _delete(cluster, instance["instanceId"])
+    assert "aspect ratio" in str(refused.value)
+    assert _diff(served, logprobs[0]) <= TOLERANCE
+    assert runners == ["RunnerReady", "RunnerReady"]

@@ -310,11 +310,14 @@ def generation_error(chunk: ChunkGenerated) -> ApiError:
     whose output could not be parsed (a tool call left open or malformed) comes from the
     engine with its usage, and is a 422: the request was valid and the node is healthy,
     yet the model's answer cannot be given in the shape the request asked for (and SDKs,
-    which retry 5xx, do not rerun it). A failed runner or a lost task has no usage: 500."""
+    which retry 5xx, do not rerun it). Input the model cannot take (`rejected`) is a 400.
+    A failed runner or a lost task has no usage: 500."""
     message = chunk.error_message or "generation failed"
     if chunk.retryable:
         # The cluster's doing (an instance went away), never a 500.
         return ApiError(503, message, code="no_instance", retry_after=RETRY_AFTER_SECONDS)
+    if chunk.rejected:
+        return ApiError(400, message, code="unusable_input")
     if chunk.usage is not None:
         return ApiError(422, f"the model's output could not be parsed: {message}", code="invalid_model_output")
     return ApiError(500, message, code="generation_failed")

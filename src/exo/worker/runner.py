@@ -130,7 +130,9 @@ class Runner:
                     self.engine.submit(command_id, params)
                 except Exception as error:  # a bad prompt fails its request, not the runner
                     logger.exception("submit failed")
-                    self._fail(task_id, command_id, f"could not start generation: {error}")
+                    # A ValueError is the input's (a processor refusing an image); others are ours.
+                    message = f"could not start generation: {error}"
+                    self._fail(task_id, command_id, message, rejected=isinstance(error, ValueError))
                     return True
                 self.active[command_id] = task_id
                 self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Running))
@@ -160,13 +162,20 @@ class Runner:
                 if chunk.usage is not None:
                     self._count_prefix_cache(chunk.usage.cached_tokens)
                 task_id = self.active.pop(chunk.command_id)
-                self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Complete))
+                if chunk.finish_reason == "error":
+                    failed = TaskStatusUpdated(
+                        task_id=task_id, status=TaskStatus.Failed, error_message=chunk.error_message
+                    )
+                    self.conn.send(failed)
+                else:
+                    self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Complete))
         # Also after a step that only applied a cancellation (a split instance's ops wait
         # for the next step).
         self._report_load()
 
-    def _fail(self, task_id: TaskId, command_id: CommandId, message: str) -> None:
-        self.conn.send(ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message))
+    def _fail(self, task_id: TaskId, command_id: CommandId, message: str, rejected: bool = False) -> None:
+        chunk = ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message, rejected=rejected)
+        self.conn.send(chunk)
         self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Failed, error_message=message))
 
     def _count_prefix_cache(self, cached_tokens: int) -> None:

@@ -190,6 +190,8 @@ class MlxEngine:
         self._requests: dict[CommandId, _Request] = {}
         # Image bytes rank 0 keeps back from the ops it broadcasts: only it runs the tower.
         self._held_images: dict[CommandId, list[ImageInput]] = {}
+        # Requests of a split instance that could not start: ended at the next step.
+        self._failed: list[ChunkGenerated] = []
         self._pending_ops: list[RankOp] = []
         self._grammar_tokenizer: Any = None
         self.shutdown_requested = False
@@ -281,7 +283,7 @@ class MlxEngine:
         for op in ops:
             match op:
                 case StartRequest():
-                    self._start(op)
+                    self._start_in_step(op)
                 case CancelRequest(request_id=request_id):
                     self._requests.pop(request_id, None)
                     self._held_images.pop(request_id, None)
@@ -292,6 +294,28 @@ class MlxEngine:
                 case _:
                     assert_never(op)
         return ops
+
+    def _start_in_step(self, op: StartRequest) -> None:
+        """A split instance starts requests inside a step, where an error would end the
+        runner: it fails that request alone, the same on every rank (what only rank 0
+        sees, its images, it shares before any rank can fail on it)."""
+        if self.group is None:
+            self._start(op)  # submit's caller fails the request
+            return
+        try:
+            self._start(op)
+        except Exception as error:
+            self._requests.pop(op.request_id, None)
+            self._held_images.pop(op.request_id, None)
+            message = f"could not start generation: {error}"
+            # A ValueError is the input's (a processor refusing an image); others are ours.
+            failed = ChunkGenerated(
+                command_id=op.request_id,
+                finish_reason="error",
+                error_message=message,
+                rejected=isinstance(error, ValueError),
+            )
+            self._failed.append(failed)
 
     def _start(self, op: StartRequest) -> None:
         assert self.model is not None and self.tokenizer is not None
@@ -342,14 +366,20 @@ class MlxEngine:
         if not params.images:
             return None
         held = self._held_images.pop(request_id, [])
-        vision = None
+        vision, failure = None, None
         if self.vision is not None:
-            images = images_of(params, held)
-            if isinstance(params.prompt, str):
-                prompt, images = self.vision.raw_prompt(self.tokenizer, params.prompt, images)
-            vision = self.vision.prepare(prompt, images)
+            try:
+                images = images_of(params, held)
+                if isinstance(params.prompt, str):
+                    prompt, images = self.vision.raw_prompt(self.tokenizer, params.prompt, images)
+                vision = self.vision.prepare(prompt, images)
+            except Exception as error:
+                if self.group is None:
+                    raise
+                # The other ranks are about to wait for this prompt: they must hear of it.
+                failure = str(error) or type(error).__name__
         if self.group is not None:
-            vision = share_prompt(vision, self.group, generation_stream)
+            vision = share_prompt(vision, self.group, generation_stream, failure)
         return vision
 
     def _logits_processors(self, params: TextGenerationTaskParams, max_tokens: int, grammar: str | None) -> list[Any]:
@@ -399,7 +429,8 @@ class MlxEngine:
     def step(self) -> list[ChunkGenerated]:
         if self.group is not None:
             self._apply_ops()
-        return self._advance_all()
+        failed, self._failed = self._failed, []
+        return (failed if not self.is_follower else []) + self._advance_all()
 
     def _advance_all(self) -> list[ChunkGenerated]:
         """Every rank runs this on the same requests in the same order (arrival order,

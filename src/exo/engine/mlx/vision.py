@@ -139,14 +139,18 @@ class VisionPrompt:
         return {"inputs": id_array, "input_embeddings": mx.concatenate(pieces, axis=1)}
 
 
-def share_prompt(prompt: VisionPrompt | None, group: mx.distributed.Group, stream: Any) -> VisionPrompt:
+def share_prompt(
+    prompt: VisionPrompt | None, group: mx.distributed.Group, stream: Any, failure: str | None = None
+) -> VisionPrompt:
     """Rank 0's prompt (it alone runs the tower) on every rank of a pipeline: each rank
     embeds its own inputs, Gemma 4's per-layer inputs are projected from the
     embeddings, image features included, and Qwen3-VL's DeepStack levels are added by
     whichever rank holds their layers. The layout goes as JSON, the features (each
-    image's, then its DeepStack levels) in one all-sum to which the other ranks add zeros."""
-    layout = None
-    if prompt is not None:
+    image's, then its DeepStack levels) in one all-sum to which the other ranks add zeros.
+    Rank 0's `failure` (its images would not prepare) goes instead, and every rank
+    raises it, so none is left waiting in a collective the others skipped."""
+    layout = json.dumps({"failure": failure}).encode() if failure is not None else None
+    if prompt is not None and failure is None:
         runs = [{"start": r.start, "tokens": r.features.shape[0], "sha256": r.sha256} for r in prompt.runs]
         fields = {"tokens": prompt.tokens, "key": prompt.key, "runs": runs}
         fields |= {"image_token_id": prompt.image_token_id, "pad_token_id": prompt.pad_token_id}
@@ -156,6 +160,8 @@ def share_prompt(prompt: VisionPrompt | None, group: mx.distributed.Group, strea
         fields["whole_runs"] = prompt.whole_runs
         layout = json.dumps(fields).encode()
     shared = json.loads(broadcast_bytes(layout, group, stream))
+    if "failure" in shared:
+        raise ValueError(shared["failure"])
     total, levels = sum(run["tokens"] for run in shared["runs"]), shared["levels"]
     features = (
         mx.concatenate([_stacked_features(run) for run in prompt.runs], axis=1)

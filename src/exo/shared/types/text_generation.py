@@ -158,5 +158,8 @@ class ChunkGenerated(FrozenModel):
     # The error was the cluster's, not the request's nor the model's: the instance went
     # away or none serves the model. A request that has no token yet may be sent again.
     retryable: bool = False
+    # The request could not start because the model cannot take its input (an image its
+    # processor refuses): the client's to fix, a 400.
+    rejected: bool = False
     usage: Usage | None = None
     stats: GenerationStats | None = None
