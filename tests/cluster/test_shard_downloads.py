@@ -54,9 +54,10 @@ def make_layered_model(path: Path, num_key_value_heads: int = 3) -> dict[str, st
 @contextlib.contextmanager
 def cluster_with_the_model(count: int, endpoint: str, tmp_path: Path, args: tuple[str, ...] = ()) -> Iterator[list]:
     """`count` nodes on loopback that download from the fake hub, linked both ways, with
-    MODEL_ID's card added."""
+    MODEL_ID's card added. They run MLX: per-shard downloads are an MLX pipeline's (a
+    llama.cpp split's rank 0 loads every layer and fetches them all)."""
     env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"}
-    with loopback_cluster(count, tmp_path, env, args=args, offline=False) as nodes:
+    with loopback_cluster(count, tmp_path, env, args=("--engine", "mlx", *args), offline=False) as nodes:
         wait_converged(nodes, timeout=60)
         links = count * (count - 1)
         nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == links, timeout=60, what="links")

@@ -24,7 +24,7 @@ from exo.shared.models.model_cards import (
     ModelTask,
     StorageSize,
 )
-from exo.shared.queries import least_loaded_instance
+from exo.shared.queries import layers_needed, least_loaded_instance
 from exo.shared.types.common import (
     CommandId,
     InstanceId,
@@ -909,3 +909,15 @@ def test_the_preview_says_why_an_instance_on_llamacpp_nodes_runs_mlx():
     (preview, *_) = [p for p in instance_previews(state, gemma, Sharding.Pipeline) if p.instance is not None]
     assert preview.instance is not None and preview.instance.engine == EngineKind.Mlx
     assert (preview.engine_reason or "").startswith("runs on MLX: ")
+
+
+def test_a_llamacpp_splits_rank_0_fetches_every_layer_and_an_mlx_pipelines_its_own():
+    # llama.cpp's rank 0 loads the whole GGUF and offloads the followers' layers by RPC.
+    llama = make_card(weights_gib=1).model_copy(update={"family": "llama", "quantization": "4bit"})
+    for engine, rank_0_layers in (("llamacpp", None), ("mlx", "own")):
+        instance = place_instance(with_engines(fully_linked(a=30, b=30), a=engine, b=engine), llama, min_nodes=2)
+        first, second = shards_by_rank(instance)
+        rank_0, rank_1 = nodes_by_rank(instance)
+        own = (first.start_layer, first.end_layer)
+        assert layers_needed(instance, rank_0) == (None if rank_0_layers is None else own)
+        assert layers_needed(instance, rank_1) == (second.start_layer, second.end_layer)

@@ -10,7 +10,7 @@ from exo.shared.types.downloads import (
     DownloadOngoing,
     DownloadPending,
 )
-from exo.shared.types.instances import Instance
+from exo.shared.types.instances import EngineKind, Instance
 from exo.shared.types.runners import SERVING_STATUSES, RunnerFailed, RunnerLoading, RunnerStatus
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.state import State
@@ -81,6 +81,10 @@ def download_running(state: State, node_id: NodeId, model_id: str) -> bool:
 def layers_needed(instance: Instance, node_id: NodeId) -> tuple[int, int] | None:
     """The layer range the node's pipeline rank of the instance runs; None: every layer."""
     shard = instance.shard_assignments.runner_to_shard[instance.shard_assignments.node_to_runner[node_id]]
+    if instance.engine == EngineKind.LlamaCpp and shard.device_rank == 0:
+        # llama.cpp's rank 0 loads the whole model and sends the followers' layers to their
+        # RPC servers: it needs every layer's weights.
+        return None
     if isinstance(shard, PipelineShardMetadata) and (shard.start_layer, shard.end_layer) != (0, shard.n_layers):
         return shard.start_layer, shard.end_layer
     return None
