@@ -21,6 +21,7 @@ from mlx_lm import convert as mlx_convert
 
 from exo.devtools.onboard import random_prompt, write_reference_model
 from exo.devtools.tiny_configs import TINY_CONFIGS
+from exo.engine.llamacpp.native import extra_buffer_types
 from tests.support.node import running_node
 
 MODEL_ID = "mlx-community/tiny-llama-4bit"
@@ -31,7 +32,7 @@ STEPS = 6
 def _direct(gguf: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
     """Greedy tokens and their logprobs from llama-cpp-python on the node's GGUF."""
     params = llama_cpp.llama_cpp.llama_model_default_params
-    llama_cpp.llama_cpp.llama_model_default_params = lambda: _no_extra_buffers(params())
+    llama_cpp.llama_cpp.llama_model_default_params = lambda: _as_the_engine_loads(params())
     try:
         llm = llama_cpp.Llama(str(gguf), n_ctx=128, n_threads=2, verbose=False, logits_all=True, flash_attn=True)
     finally:
@@ -47,9 +48,9 @@ def _direct(gguf: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
     return tokens[len(prompt) :], logprobs
 
 
-def _no_extra_buffers(params: llama_cpp.llama_model_params) -> llama_cpp.llama_model_params:
-    # As the engine loads it: this build's AMX buffer faults here (see docs/engines.md).
-    params.use_extra_bufts = False
+def _as_the_engine_loads(params: llama_cpp.llama_model_params) -> llama_cpp.llama_model_params:
+    # Its extra buffer types (repacked layouts) on unless EXO_LLAMACPP_EXTRA_BUFTS=0.
+    params.use_extra_bufts = extra_buffer_types()
     return params
 
 

@@ -35,6 +35,7 @@ from mlx_lm.utils import load_model
 from exo.devtools.onboard import random_prompt, write_reference_model
 from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.engine.llamacpp.gguf_convert import convert, gguf_for, supports
+from exo.engine.llamacpp.native import extra_buffer_types
 
 PROMPT_LEN = 64
 FLOAT_TOLERANCE = 1e-4
@@ -48,18 +49,16 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def _without_extra_buffers() -> llama_cpp.llama_model_params:
-    """llama.cpp's default model params without its extra CPU buffer types. Built with
-    -march=native on this CPU, ggml puts quantized weights in its AMX buffer, and the
-    sandbox faults on AMX tile instructions (SIGILL) although the CPU lists them; the
-    plain CPU kernels compute the same Q4_1 x Q8_1 dot products."""
+def _as_the_engine_loads() -> llama_cpp.llama_model_params:
+    """llama.cpp's default model params with the engine's extra buffer types (repacked
+    layouts; on unless EXO_LLAMACPP_EXTRA_BUFTS=0, for a build whose AMX faults)."""
     params = _default_model_params()
-    params.use_extra_bufts = False
+    params.use_extra_bufts = extra_buffer_types()
     return params
 
 
 _default_model_params = llama_cpp.llama_cpp.llama_model_default_params
-llama_cpp.llama_cpp.llama_model_default_params = _without_extra_buffers
+llama_cpp.llama_cpp.llama_model_default_params = _as_the_engine_loads
 
 
 def _llama_cpp_logprobs(path: Path, prompt: list[int]) -> np.ndarray:

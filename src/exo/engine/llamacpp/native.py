@@ -42,6 +42,15 @@ def threads() -> int:
     return int(os.environ.get("EXO_LLAMACPP_THREADS", "0")) or max((os.cpu_count() or 1) // 2, 1)
 
 
+def extra_buffer_types() -> bool:
+    """Whether models load into llama.cpp's extra CPU buffer types (its repacked Q4_0 /
+    IQ4_NL / Q8_0 layouts for AVX2 and AVX-512, and AMX where the build has it): on
+    unless EXO_LLAMACPP_EXTRA_BUFTS=0. scripts/setup.sh builds without AMX, whose tile
+    instructions fault in a VM or sandbox that lists them (a -march=native build put
+    quantized weights in the AMX buffer); =0 is the way out for such a build."""
+    return os.environ.get("EXO_LLAMACPP_EXTRA_BUFTS", "1") != "0"
+
+
 class Model:
     """A GGUF loaded, with layers optionally offloaded to other devices (RPC servers):
     llama.cpp keeps the first layers on this CPU and offloads the last `offload_layers`
@@ -58,10 +67,7 @@ class Model:
         init_backend()
         params: Any = llama_cpp.llama_model_default_params()
         params.use_mmap = True
-        # llama.cpp's extra CPU buffer types (AMX, repacked quantized layouts) stay off
-        # unless asked for: a -march=native build puts quantized weights in the AMX
-        # buffer, and a VM or sandbox can fault on AMX instructions the CPU lists.
-        params.use_extra_bufts = os.environ.get("EXO_LLAMACPP_EXTRA_BUFTS") == "1"
+        params.use_extra_bufts = extra_buffer_types()
         self._keep: list[object] = []
         if devices:
             device_list = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)

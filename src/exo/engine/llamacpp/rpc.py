@@ -4,8 +4,9 @@ and rank 0 adds each follower as a device and loads the model with the later lay
 them (engine/llamacpp/native.py's Model). Activations go between the nodes inside
 llama.cpp's own graph; only rank 0 runs exo's loop.
 
-The RPC protocol carries no authentication: a follower's port serves whoever reaches it
-(the cluster secret does not cover it)."""
+The RPC protocol carries no authentication: a follower's port serves whoever reaches it,
+outside what a cluster secret seals. Placement therefore puts a split on nodes with a
+secret on MLX (engine/llamacpp/support.py's mlx_reason)."""
 
 import ctypes
 import socket
