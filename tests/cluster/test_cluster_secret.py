@@ -121,13 +121,21 @@ def test_only_nodes_with_the_secret_join_and_nothing_crosses_in_clear(tmp_path, 
 
 def test_a_split_instance_carries_no_prompt_in_clear_between_its_ranks(tmp_path, tiny_models_dir):
     """Rank 0 sends each request's start op (its messages) to the other ranks over the
-    MLX ring; with a secret those bytes are sealed too (engine/mlx/parallel.py)."""
+    MLX ring; with a secret those bytes are sealed too (engine/mlx/parallel.py). The nodes
+    run llama.cpp, whose RPC port has no authentication: under the secret the split runs
+    on MLX, and the placement preview says why."""
     reason = capture_unavailable_reason()
     if reason is not None:
         pytest.fail(f"this test captures loopback packets: {reason}")
     env = {"EXO_MODELS_DIRS": str(tiny_models_dir), "EXO_CLUSTER_SECRET": uuid.uuid4().hex}
-    with loopback_cluster(2, tmp_path, env) as nodes:
+    with loopback_cluster(2, tmp_path, env, args=("--engine", "llamacpp")) as nodes:
         wait_converged(nodes)
+        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 2, timeout=30, what="links measured")
+        previews = nodes[0].get(
+            "/instance/previews", params={"model_id": TINY_MODEL_ID, "sharding": "Pipeline", "min_nodes": 2}
+        ).json()
+        split = next(p for p in previews if p["instance"] is not None and len(p["nodeIds"]) == 2)
+        assert split["instance"]["engine"] == "mlx" and "unauthenticated" in split["engineReason"], split
         response = nodes[0].post(
             "/place_instance", json={"model_id": TINY_MODEL_ID, "sharding": "Pipeline", "min_nodes": 2}
         )
@@ -137,7 +145,9 @@ def test_a_split_instance_carries_no_prompt_in_clear_between_its_ranks(tmp_path,
             "GET", f"{nodes[0].url}/instance/await", params={"instance_id": instance_id}, timeout=180
         ) as stream:
             assert "event: ready" in [line for line in stream.iter_lines() if line.startswith("event:")]
-        hosts = nodes[0].state()["instances"][instance_id]["hosts"]
+        instance = nodes[0].state()["instances"][instance_id]
+        assert instance["engine"] == "mlx", instance
+        hosts = instance["hosts"]
         ring_ports = [int(host.rsplit(":", 1)[1]) for host in hosts]
         transport_ports = [node.listen_port for node in nodes]
         with loopback_capture([*ring_ports, *transport_ports]) as capture:
