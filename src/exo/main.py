@@ -20,10 +20,10 @@ from exo.node import Node, NodeConfig  # noqa: E402
 from exo.shared.cluster_secret import SECRET_ENV  # noqa: E402
 from exo.shared.types.instances import EngineKind  # noqa: E402
 
-# Nodes run MLX unless told: tests/api passes with EXO_ENGINE=llamacpp, but the node and
-# cluster suites have not been run with it, and a llama.cpp split's RPC port is
-# unauthenticated (the cluster secret does not cover it). "auto" is the intended default.
-DEFAULT_ENGINE = "mlx"
+# auto: llama.cpp on Linux (MLX has only its CPU backend there, about 100x slower at
+# decode: docs/engines.md), MLX on Apple silicon. A model llama.cpp cannot run, and a
+# split under a cluster secret, still run on MLX (engine/llamacpp/support.py).
+DEFAULT_ENGINE = "auto"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,8 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_engine(choice: str) -> EngineKind:
-    """auto: MLX on Apple silicon (its GPU); llama.cpp elsewhere, where MLX has only its
-    CPU backend, if llama-cpp-python is installed."""
+    """auto: MLX on Apple silicon (its GPU); llama.cpp elsewhere, where exo's MLX has only
+    its CPU backend (NodeInfo.backend "cpu"), if llama-cpp-python is installed."""
     if choice != "auto":
         return EngineKind(choice)
     if platform.system() == "Darwin" or importlib.util.find_spec("llama_cpp") is None:
