@@ -1,7 +1,9 @@
 """An HF-layout model dir (transformers' or MLX's safetensors) as a GGUF llama.cpp loads,
 converted once and cached, at the checkpoint's own precision: f32 stays F32, bf16 BF16,
-f16 F16; MLX affine 4-bit becomes Q4_1 with the same codes, scales and biases (no
-requantizing: gguf_tensors.py), MLX 8-bit becomes Q8_0, the nearest ggml type. Norms,
+f16 F16; MLX affine 4-bit keeps its codes, as Q4_K (scales and mins rounded to 6 bits
+per 256-block; llama.cpp's fast kernels) where its rows allow, else as Q4_1 (codes,
+scales and biases exactly: gguf_tensors.py); MLX 8-bit becomes Q8_0, the nearest ggml
+type. Norms,
 biases and rope factors are F32, as llama.cpp's own converter writes them.
 
 Facts taken from llama.cpp's convert_hf_to_gguf.py (not its code): llama.cpp's LLAMA
@@ -36,12 +38,19 @@ from gguf import (
     get_tensor_name_map,
 )
 
-from exo.engine.llamacpp.gguf_tensors import Affine, Tensor, dequantize_affine, ggml_quantized, read_safetensors
+from exo.engine.llamacpp.gguf_tensors import (
+    Affine,
+    Tensor,
+    dequantize_affine,
+    ggml_quantized,
+    q4_k_fits,
+    read_safetensors,
+)
 from exo.engine.llamacpp.gguf_vocab import TOKENIZER_FILES, write_vocab
 
 # Bumped whenever the converter writes different bytes for the same checkpoint, so
 # caches made by an older one are converted again.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 _ARCHS = {
     "llama": MODEL_ARCH.LLAMA,
@@ -56,6 +65,7 @@ _FLOAT_TYPES = {
     "BF16": GGMLQuantizationType.BF16,
 }
 _FILE_TYPES = {
+    GGMLQuantizationType.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
     GGMLQuantizationType.Q4_1: LlamaFileType.MOSTLY_Q4_1,
     GGMLQuantizationType.Q8_0: LlamaFileType.MOSTLY_Q8_0,
     GGMLQuantizationType.BF16: LlamaFileType.MOSTLY_BF16,
@@ -67,6 +77,15 @@ Progress = Callable[[int, int], None]
 
 
 # --- what can be converted -------------------------------------------------------------
+
+
+_QUANTIZED = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+
+
+def exact_q4() -> bool:
+    """EXO_GGUF_EXACT_Q4=1 writes MLX 4-bit as Q4_1 (bit for bit) even where Q4_K
+    (6-bit scales, llama.cpp's fast kernels) holds it."""
+    return os.environ.get("EXO_GGUF_EXACT_Q4", "0") == "1"
 
 
 def _rope_scaling(config: dict) -> dict:
@@ -229,10 +248,19 @@ def _plan_quantized(config: dict, name: str, tensors: dict[str, Tensor], gguf_na
         return _Planned(gguf_name, GGMLQuantizationType.F32, shape, 4 * math.prod(shape),
                         lambda: dequantize_affine(affine()))  # fmt: skip
 
-    def make() -> np.ndarray:
-        return ggml_quantized(affine())[0]
+    exact = exact_q4()
+    if bits == 8:
+        ggml_type = GGMLQuantizationType.Q8_0
+    elif not exact and q4_k_fits(scales.as_float32(), biases.as_float32(), group):
+        ggml_type = GGMLQuantizationType.Q4_K
+    else:
+        ggml_type = GGMLQuantizationType.Q4_1
 
-    ggml_type = GGMLQuantizationType.Q4_1 if bits == 4 else GGMLQuantizationType.Q8_0
+    def make() -> np.ndarray:
+        data, made = ggml_quantized(affine(), exact)
+        assert made == ggml_type, f"{gguf_name}: planned {ggml_type.name}, made {made.name}"
+        return data
+
     block, size = GGML_QUANT_SIZES[ggml_type]
     shape = (*weight.shape[:-1], in_features // block * size)
     return _Planned(gguf_name, ggml_type, shape, math.prod(shape), make)
@@ -338,11 +366,11 @@ def convert(model_dir: Path, out: Path, on_progress: Progress | None = None, *, 
     _write_hparams(writer, config)
     file_type = _file_type(plan)
     writer.add_file_type(file_type)
-    if file_type in (LlamaFileType.MOSTLY_Q4_1, LlamaFileType.MOSTLY_Q8_0):
+    if file_type in (LlamaFileType.MOSTLY_Q4_K_M, LlamaFileType.MOSTLY_Q4_1, LlamaFileType.MOSTLY_Q8_0):
         writer.add_quantization_version(GGML_QUANT_VERSION)
     write_vocab(writer, model_dir, config["vocab_size"])
     for p in plan:
-        dtype = np.uint8 if p.ggml_type in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0) else np.float32
+        dtype = np.uint8 if p.ggml_type in _QUANTIZED else np.float32
         writer.add_tensor_info(p.name, p.shape, np.dtype(dtype), p.nbytes, raw_dtype=p.ggml_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -362,7 +390,7 @@ def convert(model_dir: Path, out: Path, on_progress: Progress | None = None, *, 
 def _cache_key(model_dir: Path) -> str:
     """The converter's version and the name, size and mtime of every file it reads."""
     files = _weight_files(model_dir) + [model_dir / n for n in ("config.json", *TOKENIZER_FILES)]
-    digest = hashlib.sha256(f"exo-gguf-{CONVERTER_VERSION}".encode())
+    digest = hashlib.sha256(f"exo-gguf-{CONVERTER_VERSION}-exact-q4={exact_q4()}".encode())
     for path in files:
         if path.is_file():
             stat = path.stat()

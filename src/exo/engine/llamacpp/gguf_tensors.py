@@ -121,8 +121,80 @@ def q4_1_blocks(q: Affine) -> np.ndarray:
     return out.reshape(*codes.shape[:-1], -1)
 
 
-def ggml_quantized(q: Affine) -> tuple[np.ndarray, GGMLQuantizationType]:
-    """The ggml type closest to an MLX affine weight, and its bytes."""
+def _ascending(q: Affine) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Codes, scales and biases of a 4-bit weight with every scale positive: MLX gives a
+    group whose largest magnitude is positive a negative scale (w = s * q + b, b the
+    group's maximum); s * q + b = -s * (15 - q) + (b + 15 * s) turns it around exactly."""
+    codes = unpack_codes(q.weight, 4).reshape(*q.scales.shape, q.group_size)
+    flip = q.scales < 0
+    codes = np.where(flip[..., None], 15 - codes, codes)
+    biases = np.where(flip, q.biases + 15 * q.scales, q.biases)
+    return codes.reshape(*codes.shape[:-2], -1), np.abs(q.scales), biases
+
+
+def q4_k_fits(scales: np.ndarray, biases: np.ndarray, group_size: int) -> bool:
+    """Whether Q4_K holds a 4-bit weight with these groups: rows of whole 256-blocks
+    and, with every scale made positive, no group whose lowest level is above zero
+    (Q4_K subtracts its mins)."""
+    if group_size % 32 or scales.shape[-1] * group_size % 256:
+        return False
+    return bool(np.all(np.where(scales < 0, biases + 15 * scales, biases) <= 0))
+
+
+def q4_k_blocks(q: Affine) -> np.ndarray:
+    """ggml Q4_K bytes (..., in / 256 * 144): MLX's 4-bit codes kept, each 32-weight
+    sub-block's scale and min stored as 6-bit multiples of the 256-block's f16 `d` and
+    `dmin` (llama.cpp's block_q4_K layout). Not exact like Q4_1: rounding the scales to
+    6 bits moves a weight by ~1% of the group's step, against the codes' own rounding of
+    up to half a step; llama.cpp has repacked AVX2/AVX-512 kernels for Q4_K, none for
+    Q4_1 (here 1.5-2.5x the decode and prefill)."""
+    codes, scales, biases = _ascending(q)
+    per_group = q.group_size // 32
+    sub_scales = np.repeat(scales, per_group, axis=-1).reshape(-1, 8)
+    sub_mins = np.repeat(-biases, per_group, axis=-1).reshape(-1, 8)
+    sub_codes = codes.reshape(-1, 8, 32).astype(np.float32)
+    d = (sub_scales.max(axis=-1) / 63).astype(np.float16)
+    dmin = (sub_mins.max(axis=-1) / 63).astype(np.float16)
+    sc, mn = _six_bit_pair(sub_codes, sub_scales, sub_mins, d.astype(np.float32), dmin.astype(np.float32))
+    packed = np.zeros((sc.shape[0], 12), dtype=np.uint8)
+    packed[:, :4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:] = (sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)
+    # Each 64 weights: the first 32 in the low nibbles of 32 bytes, the next 32 high.
+    chunks = codes.reshape(-1, 4, 2, 32)
+    qs = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(-1, 128)
+    out = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed, qs], axis=-1)
+    return out.reshape(*codes.shape[:-1], -1)
+
+
+def _six_bit_pair(
+    codes: np.ndarray, scales: np.ndarray, mins: np.ndarray, d: np.ndarray, dmin: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each sub-block's 6-bit scale and min multiples: of the floor and ceiling of each,
+    the pair nearest the sub-block's own weights (its codes are fixed)."""
+    d, dmin = d[:, None], dmin[:, None]
+    safe_d, safe_dmin = np.where(d == 0, 1, d), np.where(dmin == 0, 1, dmin)
+    best_error = np.full(scales.shape, np.inf, dtype=np.float32)
+    best_sc = np.zeros(scales.shape, dtype=np.uint8)
+    best_mn = np.zeros(scales.shape, dtype=np.uint8)
+    for sc_round in (np.floor, np.ceil):
+        sc = np.clip(sc_round(scales / safe_d), 0, 63)
+        for mn_round in (np.floor, np.ceil):
+            mn = np.clip(mn_round(mins / safe_dmin), 0, 63)
+            # w - w' = q * (s - d * sc) - (m - dmin * mn), summed squared over the codes.
+            error = ((codes * (scales - d * sc)[..., None] - (mins - dmin * mn)[..., None]) ** 2).sum(axis=-1)
+            better = error < best_error
+            best_error = np.where(better, error, best_error)
+            best_sc = np.where(better, sc.astype(np.uint8), best_sc)
+            best_mn = np.where(better, mn.astype(np.uint8), best_mn)
+    return best_sc, best_mn
+
+
+def ggml_quantized(q: Affine, exact_q4: bool = False) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """The ggml type for an MLX affine weight, and its bytes: 4-bit as Q4_K where it
+    fits (unless `exact_q4`), else Q4_1; 8-bit as Q8_0."""
+    if q.bits == 4 and not exact_q4 and q4_k_fits(q.scales, q.biases, q.group_size):
+        return q4_k_blocks(q), GGMLQuantizationType.Q4_K
     if q.bits == 4 and q.group_size % 32 == 0:
         return q4_1_blocks(q), GGMLQuantizationType.Q4_1
     if q.bits == 8:
