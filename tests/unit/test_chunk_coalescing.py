@@ -1,11 +1,15 @@
 """Chunks waiting together in a runner's pipe go on as one per request, in order, with
-prefill progress, last chunks and other messages kept apart."""
+prefill progress, last chunks and other messages kept apart; and the runner's hold
+(`HeldChunks`) sends a request's first token and its last at once, the tokens between
+merged per interval."""
+
+import time
 
 from exo.shared.types.common import CommandId, TaskId
 from exo.shared.types.events import TaskStatusUpdated
 from exo.shared.types.tasks import TaskStatus
 from exo.shared.types.text_generation import ChunkGenerated, PrefillProgress, TokenLogprob, Usage
-from exo.worker.chunk_coalescing import coalesced
+from exo.worker.chunk_coalescing import HeldChunks, coalesced
 
 
 def token(request: str, text: str, token_id: int, **extra) -> ChunkGenerated:
@@ -43,3 +47,36 @@ def test_a_run_of_one_requests_tokens_becomes_one_chunk_ending_where_the_last_en
 def test_a_last_chunk_takes_the_tokens_before_it():
     out = list(coalesced([token("a", "1", 1), token("a", "2", 2, finish_reason="length")]))
     assert len(out) == 1 and out[0].text == "12" and out[0].token_ids == [1, 2] and out[0].finish_reason == "length"
+
+
+def test_held_chunks_send_the_first_token_at_once_and_the_rest_merged_per_interval():
+    sent: list[ChunkGenerated] = []
+    hold = HeldChunks(sent.append, interval=0.05)
+    hold.put(ChunkGenerated(command_id=CommandId("a"), prefill=PrefillProgress(processed_tokens=2, total_tokens=2)))
+    hold.put(token("a", "he", 1))
+    assert [c.text for c in sent] == ["", "he"]  # prefill progress and the first token: not held
+    hold.put(token("a", "l", 2))
+    hold.put(token("b", "x", 9))  # b's first token goes at once, a's stay held
+    hold.put(token("a", "l", 3))
+    hold.tick()
+    assert [c.text for c in sent] == ["", "he", "x"]
+    time.sleep(0.06)
+    hold.tick()
+    assert [(c.text, c.token_ids) for c in sent[3:]] == [("ll", [2, 3])]
+    hold.put(token("a", "o", 4))
+    hold.put(token("a", "!", 5, finish_reason="stop"))  # the last takes what was held, at once
+    assert [(c.text, c.token_ids, c.finish_reason) for c in sent[4:]] == [("o!", [4, 5], "stop")]
+    hold.put(token("b", "y", 8))
+    hold.forget(CommandId("b"))  # cancelled: what it held goes first
+    assert [c.text for c in sent[5:]] == ["y"]
+    hold.put(token("b", "z", 7))  # no longer streaming: a late chunk is not held
+    assert [c.text for c in sent[6:]] == ["z"]
+
+
+def test_held_chunks_keep_an_error_after_the_tokens_before_it():
+    sent: list[ChunkGenerated] = []
+    hold = HeldChunks(sent.append, interval=10)
+    hold.put(token("a", "1", 1))
+    hold.put(token("a", "2", 2, logprobs=lp(2)))
+    hold.put(ChunkGenerated(command_id=CommandId("a"), finish_reason="error", error_message="boom"))
+    assert [(c.text, c.finish_reason) for c in sent] == [("1", None), ("2", None), ("", "error")]

@@ -33,6 +33,7 @@ from exo.shared.types.runners import (
 )
 from exo.shared.types.tasks import TaskStatus, TextGenerationTask
 from exo.shared.types.text_generation import ChunkGenerated
+from exo.worker.chunk_coalescing import HeldChunks
 from exo.worker.runner_protocol import (
     CancelRunnerTask,
     ConnectToGroup,
@@ -67,6 +68,7 @@ class Runner:
         self._reported: RunnerStatus | None = None
         # From the usage of the requests it finished; reported with the load.
         self.prefix_cache = PrefixCacheStats()
+        self.chunks = HeldChunks(self.conn.send)
 
     def set_status(self, status: RunnerStatus) -> None:
         self.conn.send(RunnerStatusUpdated(runner_id=self.runner_id, status=status))
@@ -142,6 +144,7 @@ class Runner:
                     if active_task_id == task_id:
                         self.engine.cancel(command_id)
                         del self.active[command_id]
+                        self.chunks.forget(command_id)
                         self.conn.send(ChunkGenerated(command_id=command_id, finish_reason="cancelled"))
                         self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Cancelled))
                 self._report_load()
@@ -152,7 +155,7 @@ class Runner:
 
     def generate_step(self) -> None:
         for chunk in self.engine.step():
-            self.conn.send(chunk)
+            self.chunks.put(chunk)
             if chunk.finish_reason is not None:
                 if chunk.stats is not None:
                     logger.info(
@@ -169,13 +172,14 @@ class Runner:
                     self.conn.send(failed)
                 else:
                     self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Complete))
+        self.chunks.tick()
         # Also after a step that only applied a cancellation (a split instance's ops wait
         # for the next step).
         self._report_load()
 
     def _fail(self, task_id: TaskId, command_id: CommandId, message: str, rejected: bool = False) -> None:
         chunk = ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message, rejected=rejected)
-        self.conn.send(chunk)
+        self.chunks.put(chunk)
         self.conn.send(TaskStatusUpdated(task_id=task_id, status=TaskStatus.Failed, error_message=message))
 
     def _count_prefix_cache(self, cached_tokens: int) -> None:
