@@ -1,7 +1,8 @@
 """The llama.cpp engine in this process (real llama.cpp, the tiny llama's GGUF):
 continuous batching gives each request exactly the tokens it gets alone, requests join
 and leave between steps, admission stops at MAX_BATCH, prompts prefill in chunks, and a
-finished request's sequence serves a later prompt sharing its start."""
+finished request's saved KV serves a later prompt sharing its start (an agent's next
+turn included) while no finished request holds KV cells."""
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 import exo.engine.llamacpp.engine as llamacpp_engine
 from exo.catalog.cards import card_from_model_dir
+from exo.engine.encoding.chat_prompt import encode_prompt
 from exo.engine.llamacpp.engine import LlamaCppEngine
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.shards import PipelineShardMetadata
@@ -138,3 +140,38 @@ def test_a_later_prompt_reuses_the_kv_of_an_earlier_one(engine: LlamaCppEngine):
     usage = again[-1].usage
     assert usage is not None and usage.cached_tokens == usage.prompt_tokens - 1
     assert tokens(again) == tokens(first)
+
+
+def test_an_agents_next_turn_prefills_only_its_new_message(engine: LlamaCppEngine):
+    """Turn 2 re-sends turn 1 and its answer: they come from turn 1's snapshot, and the
+    answer is what the same prompt gets with nothing cached. Turn 2 is token ids (turn
+    1's prompt, its answer's tokens, a new message's), as in tests/unit/test_agent_turn_cache.py:
+    a random model's answer is no text that tokenizes back to itself."""
+    question = "the quiet moon runs over the bright cluster node " * 3
+    turn1 = params(question, 24)
+    first_prompt = encode_prompt(engine.tokenizer, turn1, engine.model_type, engine.reasoning_dialect)[0]
+    first = run(engine, {"turn1": turn1})["turn1"]
+    new_message = engine.tokenizer.encode(" and the cat?", add_special_tokens=False)
+    turn2 = params("", 8).model_copy(update={"messages": [], "prompt": first_prompt + tokens(first) + new_message})
+    warm = run(engine, {"turn2": turn2})["turn2"]
+    usage1, usage2 = first[-1].usage, warm[-1].usage
+    assert usage1 is not None and usage2 is not None and usage1.prompt_tokens == len(first_prompt)
+    covered = usage2.cached_tokens / (usage1.prompt_tokens + usage1.completion_tokens)
+    assert covered >= 0.95, (usage2.cached_tokens, usage1.prompt_tokens, usage1.completion_tokens)
+    assert engine.slots is not None
+    engine.slots.clear()
+    cold = run(engine, {"cold": turn2})["cold"]
+    assert cold[-1].usage is not None and cold[-1].usage.cached_tokens == 0
+    assert tokens(warm) == tokens(cold)
+
+
+def test_finished_requests_hold_no_kv_cells(engine: LlamaCppEngine):
+    """The prefix cache lives in host memory: once every request is done, no sequence of
+    the context holds a cell (each decode attends over the cells in use)."""
+    import llama_cpp
+
+    run(engine, {name: params(f"the node {name} sleeps", 6) for name in ("a", "b", "c")})
+    assert engine.slots is not None and engine.context is not None
+    assert len(engine.slots.snapshots) >= 3
+    memory = engine.context.memory
+    assert [llama_cpp.llama_memory_seq_pos_max(memory, s) for s in range(llamacpp_engine.MAX_BATCH)] == [-1] * 8

@@ -14,13 +14,14 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
+import psutil
 import pytest
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import make_tiny
 from exo.engine.mlx import engine as engine_module
-from exo.engine.mlx import prefix_cache
+from exo.engine.limits import PREFIX_CACHE_RESERVE_BYTES
 from exo.engine.mlx.engine import MlxEngine
 from exo.engine.mlx.prefix_cache import PrefixCache
 from exo.shared.types.common import ModelId
@@ -130,13 +131,13 @@ def test_a_long_prompt_keeps_one_boundary_snapshot_per_octave_of_length():
 
 def test_snapshots_give_way_when_the_machine_runs_low_on_memory(monkeypatch):
     available = {"bytes": 8 << 30}
-    monkeypatch.setattr(prefix_cache.psutil, "virtual_memory", lambda: SimpleNamespace(available=available["bytes"]))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available["bytes"]))
     cache = PrefixCache(None, "test")
     for index in range(4):
         cache.remember_finished([index] * 10, _state(1 << 20))
     assert len(cache._entries) == 4
     # Under the reserve by 2.5 MiB: the three least recently used go.
     cache.fetch([3] * 10)
-    available["bytes"] = prefix_cache.RESERVE_BYTES - (5 << 19)
+    available["bytes"] = PREFIX_CACHE_RESERVE_BYTES - (5 << 19)
     cache.remember_finished([9] * 10, _state(1 << 20))
     assert [int(entry.tokens[0]) for entry in cache._entries] == [3, 9]

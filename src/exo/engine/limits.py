@@ -9,3 +9,17 @@ DEFAULT_MAX_TOKENS = 1024
 PREFILL_STEP = int(os.environ.get("EXO_PREFILL_STEP", "512"))
 # Requests stepped together; later ones wait in arrival order.
 MAX_BATCH = int(os.environ.get("EXO_MAX_BATCH", "8"))
+
+# The prefix cache (each engine's own): finished requests' prompt + answer kept, up to
+# this many entries and bytes, giving entries up while the machine has less free memory
+# than the reserve.
+PREFIX_CACHE_ENTRIES = int(os.environ.get("EXO_PREFIX_CACHE_ENTRIES", "16"))
+PREFIX_CACHE_BYTES = int(os.environ.get("EXO_PREFIX_CACHE_BYTES", str(2 << 30)))
+PREFIX_CACHE_RESERVE_BYTES = int(os.environ.get("EXO_PREFIX_CACHE_RESERVE_BYTES", str(1 << 30)))
+
+
+def prefix_cache_budget(held: int) -> int:
+    """Bytes the prefix cache may hold now, given it holds `held`."""
+    import psutil
+
+    return min(PREFIX_CACHE_BYTES, held + psutil.virtual_memory().available - PREFIX_CACHE_RESERVE_BYTES)

@@ -8,7 +8,7 @@ Each step is one llama_decode over one batch holding every running request: the 
 token of each decoding request, and up to PREFILL_STEP prompt tokens of the requests
 still prefilling (oldest first), each on its own sequence of one context. Requests join
 and leave between steps, up to MAX_BATCH at once; later ones wait in arrival order. A
-request's sequence is kept when it ends (slots.py), so a later prompt sharing its start
+request's KV is saved when it ends (slots.py), so a later prompt sharing its start
 prefills only the rest.
 
 A pipeline instance is split with ggml's RPC backend (rpc.py): followers serve their
@@ -51,8 +51,6 @@ from exo.shared.types.text_generation import (
     Usage,
 )
 
-# Finished requests' sequences kept for the prefix cache, beside the running ones.
-KEPT_SEQUENCES = int(os.environ.get("EXO_PREFIX_CACHE_ENTRIES", "8"))
 # KV cells of the context (all sequences together): the card's context, at most this.
 MAX_CONTEXT = int(os.environ.get("EXO_LLAMACPP_CONTEXT", "32768"))
 
@@ -142,9 +140,8 @@ class LlamaCppEngine:
         # A float32 checkpoint keeps float32 keys and values: its own precision.
         dtype = config.get("torch_dtype") or config.get("dtype")
         f32 = dtype == "float32" and "quantization" not in config
-        sequences = MAX_BATCH + KEPT_SEQUENCES
-        self.context = Context(self.model, context_length, sequences, PREFILL_STEP + MAX_BATCH, f32_kv=f32)
-        self.slots = Slots(self.context, sequences)
+        self.context = Context(self.model, context_length, MAX_BATCH, PREFILL_STEP + MAX_BATCH, f32_kv=f32)
+        self.slots = Slots(self.context, MAX_BATCH)
         logger.info(f"llama.cpp: {gguf.name}, {self.model.n_layers} layers, context {self.context.n_ctx}")
 
     def warm_up(self) -> int:
@@ -161,9 +158,8 @@ class LlamaCppEngine:
         while self._requests:
             generated += sum(len(chunk.token_ids) for chunk in self.step())
         assert self.slots is not None
-        # The warm-up's sequence holds a prompt no one sends.
-        while self.slots.evict_one():
-            pass
+        # The warm-up's snapshot holds a prompt no one sends.
+        self.slots.clear()
         return generated
 
     def submit(self, request_id: CommandId, params: TextGenerationTaskParams) -> None:
@@ -243,11 +239,10 @@ class LlamaCppEngine:
                 request.sequence, request.cached_tokens = self.slots.take(request.prompt)
                 request.fed = request.cached_tokens
         plan = self._fill_batch(running)
-        while self.context.decode() == 1:
-            # No room in the KV cache (llama.cpp left it as it was): give up a kept
-            # sequence, else the newest request.
-            if not self.slots.evict_one():
-                return [self._fail(running[-1], f"the context of {self.context.n_ctx} tokens is full")]
+        if self.context.decode() == 1:
+            # No room in the KV cache for the running requests (llama.cpp left it as it
+            # was): the newest gives way.
+            return [self._fail(running[-1], f"the context of {self.context.n_ctx} tokens is full")]
         chunks: list[ChunkGenerated] = []
         for request, fed, index in plan:
             prefilled = request.prefilling
@@ -306,8 +301,8 @@ class LlamaCppEngine:
         return chunk.model_copy(update={"usage": self._usage(request), "stats": self._stats(request)})
 
     def _leave(self, request: _Request) -> None:
-        """The request's sequence is kept with what its KV holds: the prompt and every
-        generated token but the last (never fed)."""
+        """The request's KV is saved for the prefix cache with what it holds: the prompt
+        and every generated token but the last (never fed)."""
         assert self.slots is not None and request.sequence is not None
         held = (request.prompt + request.output)[: request.fed]
         self.slots.keep(request.sequence, held)

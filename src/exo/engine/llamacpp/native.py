@@ -1,6 +1,7 @@
 """llama.cpp through llama-cpp-python's ctypes bindings, as thin as exo needs: a model and
 one context holding several sequences, a batch exo fills from numpy (tokens of any
-sequences at once), the logits of each output row, and per-sequence KV removal and copy.
+sequences at once), the logits of each output row, and per-sequence KV removal, save
+and restore.
 The high-level `Llama` class serves one sequence and samples itself; exo samples."""
 
 import ctypes
@@ -106,8 +107,7 @@ class Model:
 
 class Context:
     """One llama.cpp context: `sequences` sequences sharing one KV buffer of `n_ctx`
-    cells (unified, so a sequence can copy another's prefix without copying data), in
-    f16 unless `f32_kv`."""
+    cells (unified: a request may use what the others leave), in f16 unless `f32_kv`."""
 
     def __init__(self, model: Model, n_ctx: int, sequences: int, batch_tokens: int, f32_kv: bool = False) -> None:
         params = llama_cpp.llama_context_default_params()
@@ -152,14 +152,31 @@ class Context:
         """Forget positions [start, end) of a sequence (-1: from the start / to the end)."""
         llama_cpp.llama_memory_seq_rm(self.memory, sequence, start, end)
 
-    def copy(self, source: int, target: int, end: int) -> None:
-        """Give `target` the KV of `source`'s positions [0, end) (shared cells, no copy)."""
-        llama_cpp.llama_memory_seq_cp(self.memory, source, target, 0, end)
+    def save(self, sequence: int) -> "SequenceState":
+        """A copy of the sequence's KV (and positions) in host memory."""
+        size = llama_cpp.llama_state_seq_get_size(self.ptr, llama_cpp.llama_seq_id(sequence))
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self.ptr, buffer, size, llama_cpp.llama_seq_id(sequence))
+        return SequenceState(buffer, written)
+
+    def restore(self, state: "SequenceState", sequence: int) -> bool:
+        """Puts a saved KV into `sequence` (empty before); False when the KV has no room."""
+        return llama_cpp.llama_state_seq_set_data(
+            self.ptr, state.buffer, state.nbytes, llama_cpp.llama_seq_id(sequence)
+        ) != 0
 
     def close(self) -> None:
         if self.ptr:
             llama_cpp.llama_free(self.ptr)
             self.ptr = None
+
+
+class SequenceState:
+    """One sequence's saved KV: a ctypes buffer llama.cpp wrote `nbytes` of."""
+
+    def __init__(self, buffer: ctypes.Array[ctypes.c_uint8], nbytes: int) -> None:
+        self.buffer = buffer
+        self.nbytes = nbytes
 
 
 class Batch:

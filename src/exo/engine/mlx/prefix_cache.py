@@ -14,18 +14,14 @@ Eviction is least recently used, by count and by bytes; the byte budget also shr
 when the machine runs low on memory, so cached prompts never push the model into swap."""
 
 import copy
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import psutil
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-MAX_ENTRIES = int(os.environ.get("EXO_PREFIX_CACHE_ENTRIES", "16"))
-MAX_BYTES = int(os.environ.get("EXO_PREFIX_CACHE_BYTES", str(2 << 30)))
-# Memory the machine keeps free: past it the cache gives entries up.
-RESERVE_BYTES = int(os.environ.get("EXO_PREFIX_CACHE_RESERVE_BYTES", str(1 << 30)))
+from exo.engine.limits import PREFIX_CACHE_ENTRIES, prefix_cache_budget
+
 
 
 @dataclass
@@ -127,7 +123,7 @@ class PrefixCache:
 
     def _evict(self) -> None:
         held = sum(entry.nbytes for entry in self._entries)
-        budget = min(MAX_BYTES, held + psutil.virtual_memory().available - RESERVE_BYTES)
+        budget = prefix_cache_budget(held)
         self._entries.sort(key=lambda entry: entry.used)
-        while self._entries and (len(self._entries) > MAX_ENTRIES or held > budget):
+        while self._entries and (len(self._entries) > PREFIX_CACHE_ENTRIES or held > budget):
             held -= self._entries.pop(0).nbytes
