@@ -5,14 +5,15 @@
 
 Makes a random llama (bf16, HF layout; mlx-lm's llama and transformers' read the same
 files), derives every format the engines take from it: mlx-lm's 4- and 8-bit affine
-checkpoints, exo's GGUF conversions of those (Q4_1 bit for bit, Q8_0 requantized:
-engine/llamacpp/gguf_convert.py) and llama.cpp's own Q8_0 / Q4_0 / Q4_1 (its quantizer,
+checkpoints, exo's GGUF conversions of those (Q4_K with the codes kept, Q4_1 bit for
+bit, Q8_0 requantized: engine/llamacpp/gguf_convert.py) and llama.cpp's own Q8_0 / Q4_0 / Q4_1 (its quantizer,
 from the BF16 GGUF). Then each engine runs in a subprocess of its own, `--rounds` times
 alternating: load, prefill `--prompt` random tokens, decode `--decode` tokens after them
 (fed, not sampled, so every engine does the same work), reporting load time, prefill and
 decode tokens/s and the process's peak RSS; the best round counts. The machine's memory
-bandwidth is a `--threads`-thread f32 matvec in torch, and each decode is also given as
-bytes of weights read per second over that bandwidth.
+bandwidth is a `--threads`-thread f32 matvec in torch (also a plain sum, which reads
+faster), and each decode is also given as bytes of weights read per second (the token
+embedding left out: a step reads one row of it) over each.
 
 The engines: llama.cpp through llama-cpp-python (`--threads` threads; without its extra
 buffer types unless EXO_BENCH_EXTRA_BUFTS=1, see _without_extra_buffers), MLX through
@@ -49,14 +50,25 @@ VARIANTS = [
     Variant("llama.cpp Q8_0 (llama.cpp quantizer)", "llamacpp", "q8_0.gguf", "q8_0.gguf"),
     Variant("llama.cpp Q4_0 (llama.cpp quantizer)", "llamacpp", "q4_0.gguf", "q4_0.gguf"),
     Variant("llama.cpp Q4_1 (llama.cpp quantizer)", "llamacpp", "q4_1.gguf", "q4_1.gguf"),
-    Variant("llama.cpp Q4_1 (exo, from MLX 4-bit)", "llamacpp", "mlx-q4.gguf", "mlx-q4.gguf"),
+    Variant("llama.cpp Q4_K (exo, from MLX 4-bit)", "llamacpp", "mlx-q4.gguf", "mlx-q4.gguf"),
+    Variant("llama.cpp Q4_1 (exo, from MLX 4-bit, exact)", "llamacpp", "mlx-q4-exact.gguf", "mlx-q4-exact.gguf"),
     Variant("llama.cpp Q8_0 (exo, from MLX 8-bit)", "llamacpp", "mlx-q8.gguf", "mlx-q8.gguf"),
     Variant("MLX 8-bit (mlx-lm generate_step)", "mlx", "mlx-q8", "mlx-q8"),
     Variant("MLX 4-bit (mlx-lm generate_step)", "mlx", "mlx-q4", "mlx-q4"),
     Variant("torch bf16 (transformers)", "torch", "hf", "hf", "bf16"),
     Variant("torch f32 (transformers)", "torch", "hf", "hf", "f32", 2.0),
     Variant("torch int8 dynamic (transformers)", "torch", "hf", "hf", "int8", 0.5),
+    # exo's own API on its default Linux engine, serving the MLX checkpoints (it converts
+    # them to GGUF itself, as for any card): what a user of exo gets.
+    Variant("exo API, llama.cpp engine (MLX 8-bit)", "exo", "mlx-q8", "mlx-q8.gguf"),
+    Variant("exo API, llama.cpp engine (MLX 4-bit)", "exo", "mlx-q4", "mlx-q4.gguf"),
 ]
+
+# Each exo variant against the llama.cpp variant at the same bits.
+SAME_BITS = {
+    "exo API, llama.cpp engine (MLX 8-bit)": "llama.cpp Q8_0 (llama.cpp quantizer)",
+    "exo API, llama.cpp engine (MLX 4-bit)": "llama.cpp Q4_0 (llama.cpp quantizer)",
+}
 
 
 # --- the weights -----------------------------------------------------------------------
@@ -93,6 +105,10 @@ def _make_models(work: Path, hidden: int, layers: int, vocab: int) -> None:
             convert(str(hf), str(work / f"mlx-q{bits}"), quantize=True, q_bits=bits, q_group_size=64)
         if not (work / f"mlx-q{bits}.gguf").exists():
             to_gguf(work / f"mlx-q{bits}", work / f"mlx-q{bits}.gguf")
+    if not (work / "mlx-q4-exact.gguf").exists():
+        os.environ["EXO_GGUF_EXACT_Q4"] = "1"
+        to_gguf(work / "mlx-q4", work / "mlx-q4-exact.gguf")
+        del os.environ["EXO_GGUF_EXACT_Q4"]
     if not (work / "bf16.gguf").exists():
         to_gguf(hf, work / "bf16.gguf")
     for kind in ("q8_0", "q4_0", "q4_1"):
@@ -112,8 +128,14 @@ def _llama_quantize(source: Path, out: Path, kind: str) -> None:
 
 
 def _bytes_of(path: Path) -> int:
+    """What a decode step reads: the weights, less a GGUF's token embedding when the
+    model has a separate output matrix (a step reads one row of it)."""
     if path.is_file():
-        return path.stat().st_size
+        from gguf import GGUFReader
+
+        tensors = {t.name: t for t in GGUFReader(path).tensors}
+        embedding = tensors["token_embd.weight"].n_bytes if "output.weight" in tensors else 0
+        return path.stat().st_size - int(embedding)
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
@@ -250,6 +272,39 @@ def _run_torch(model: Path, prompt: list[int], fed: list[int], threads: int, opt
     return Timing(load_s, prefill_s, time.perf_counter() - start)
 
 
+def _run_exo(model: Path, prompt_len: int, decode: int) -> Timing:
+    """One exo node started here on loopback with the llama.cpp engine, the model placed
+    through the API; prefill is the time to the first streamed token of a ~prompt_len
+    token chat prompt, decode the rate of the `decode` tokens streamed after it (EOS
+    banned)."""
+    from exo.devtools.bench_client import messages_for, words_for_tokens
+    from exo.devtools.bench_targets import ExoTarget, loopback_nodes
+    from exo.devtools.exo_bench import eos_ids
+
+    with tempfile.TemporaryDirectory(prefix="exo-bench-engines-") as tmp:
+        models = Path(tmp) / "models"
+        models.mkdir()
+        (models / f"bench--{model.name}").symlink_to(model.resolve())
+        with loopback_nodes(1, Path(tmp), models, "llamacpp") as url:
+            target = ExoTarget(url, f"bench/{model.name}", "single")
+            start = time.perf_counter()
+            target.open()
+            load_s = time.perf_counter() - start
+            banned = eos_ids(model)
+            words = words_for_tokens(url, target.model, prompt_len)
+            target.round([messages_for(words, "warmup")], 4, banned)
+            best: Timing | None = None
+            for index in range(2):
+                measured = target.round([messages_for(words, f"m{index}")], decode + 1, banned).requests[0]
+                # Scaled to exactly prompt_len and decode tokens, as the other engines run.
+                prefill_s = measured.ttft * prompt_len / measured.prompt_tokens
+                timing = Timing(load_s, prefill_s, decode / measured.decode_tps)
+                best = timing if best is None or timing.decode_s < best.decode_s else best
+            target.close()
+            assert best is not None
+            return best
+
+
 def _child(variant: Variant, work: Path, prompt_len: int, decode: int, threads: int) -> None:
     rng = np.random.default_rng(0)
     vocab = json.loads((work / "hf" / "config.json").read_text())["vocab_size"]
@@ -260,24 +315,32 @@ def _child(variant: Variant, work: Path, prompt_len: int, decode: int, threads: 
         timing = _run_llamacpp(model, prompt, fed, threads)
     elif variant.engine == "mlx":
         timing = _run_mlx(model, prompt, fed, threads)
+    elif variant.engine == "exo":
+        os.environ["EXO_LLAMACPP_THREADS"] = str(threads)
+        timing = _run_exo(model, prompt_len, decode)
     else:
         timing = _run_torch(model, prompt, fed, threads, variant.option)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # exo's engine runs in the node's runner process, a descendant that has exited by now.
+    who = resource.RUSAGE_CHILDREN if variant.engine == "exo" else resource.RUSAGE_SELF
+    peak_mb = resource.getrusage(who).ru_maxrss / 1024
     print(json.dumps({**timing.__dict__, "peak_rss_mb": peak_mb}))
 
 
 def _bandwidth_child(threads: int) -> None:
+    """Two reads of 256 MiB, far past the caches, best of 12 each: an f32 matvec (what a
+    decode step is, and issue 15's measure) and a plain sum (the higher read rate)."""
     import torch
 
     torch.set_num_threads(threads)
-    matrix = torch.randn(8192, 8192)  # 256 MiB, far past the caches
+    matrix = torch.randn(8192, 8192)
     vector = torch.randn(8192)
-    best = float("inf")
+    best = {"matvec": float("inf"), "sum": float("inf")}
     for _ in range(12):
-        start = time.perf_counter()
-        torch.mv(matrix, vector)
-        best = min(best, time.perf_counter() - start)
-    print(json.dumps({"gb_s": matrix.numel() * 4 / best / 1e9}))
+        for name, read in (("matvec", lambda: torch.mv(matrix, vector)), ("sum", matrix.sum)):
+            start = time.perf_counter()
+            read()
+            best[name] = min(best[name], time.perf_counter() - start)
+    print(json.dumps({name: matrix.numel() * 4 / seconds / 1e9 for name, seconds in best.items()}))
 
 
 # --- the run ---------------------------------------------------------------------------
@@ -343,7 +406,9 @@ def main() -> None:
     common = ["--workdir", str(work), "--prompt", str(args.prompt), "--decode", str(args.decode)]
     common += ["--threads", str(args.threads)]
     load_before = os.getloadavg()[0]
-    bandwidth = max(_in_child(["--bandwidth", "--threads", str(args.threads)], args.realtime)["gb_s"] for _ in range(2))
+    probes = [_in_child(["--bandwidth", "--threads", str(args.threads)], args.realtime) for _ in range(2)]
+    bandwidth = max(probe["matvec"] for probe in probes)
+    read_rate = max(probe["sum"] for probe in probes)
     results: dict[str, list[dict]] = {}
     for variant, result in _rounds(
         variants, args.rounds, lambda v: _in_child(["--child", v.name, *common], args.realtime)
@@ -356,20 +421,29 @@ def main() -> None:
           f"vocab {params['vocab_size']}, bf16 {_bytes_of(work / 'hf') / 1e6:.0f} MB; threads {args.threads}; "
           f"prompt {args.prompt}, decode {args.decode}; best of {args.rounds}; realtime {args.realtime}; "
           f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")  # fmt: skip
-    print(f"memory bandwidth ({args.threads}-thread f32 matvec): {bandwidth:.1f} GB/s")
+    print(f"memory bandwidth ({args.threads}-thread f32 matvec): {bandwidth:.1f} GB/s; "
+          f"a {args.threads}-thread sum reads {read_rate:.1f} GB/s")  # fmt: skip
     print(f"8-bit weight error, RMS error / RMS weight against bf16 (layer 0): {_q8_errors(work)}\n")
-    print("| engine | weights MB | load s | prefill tok/s | decode tok/s | decode GB/s (of bandwidth) | peak RSS MB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| engine | MB read per token | load s | prefill tok/s | decode tok/s | decode GB/s | of matvec | of sum "
+          "| peak RSS MB |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    rates: dict[str, tuple[float, float]] = {}
     for variant in variants:
         best = _best(results[variant.name])
         if "error" in best:
-            print(f"| {variant.name} | failed: {best['error']} | | | | | |")
+            print(f"| {variant.name} | failed: {best['error']} | | | | | | | |")
             continue
         size = _bytes_of(work / variant.weight_bytes_of) * variant.bytes_factor
         decode_tps = args.decode / best["decode_s"]
+        rates[variant.name] = (args.prompt / best["prefill_s"], decode_tps)
         read = size * decode_tps / 1e9
         print(f"| {variant.name} | {size / 1e6:.0f} | {best['load_s']:.2f} | {args.prompt / best['prefill_s']:.0f} | "
-              f"{decode_tps:.1f} | {read:.1f} ({read / bandwidth:.2f}) | {best['peak_rss_mb']:.0f} |")  # fmt: skip
+              f"{decode_tps:.1f} | {read:.1f} | {read / bandwidth:.2f} | {read / read_rate:.2f} | "
+              f"{best['peak_rss_mb']:.0f} |")  # fmt: skip
+    for ours, theirs in SAME_BITS.items():
+        if ours in rates and theirs in rates:
+            print(f"{ours} / {theirs}: decode {rates[ours][1] / rates[theirs][1]:.2f}x, "
+                  f"prefill {rates[ours][0] / rates[theirs][0]:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
