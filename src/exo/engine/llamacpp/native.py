@@ -16,13 +16,18 @@ import psutil
 from loguru import logger
 
 # What llama.cpp logs at load (every tensor, every layer) is noise on a node's log; its
-# errors still go there.
-_LOG_ERROR = 4
+# errors still go there. A CONT line continues the message before it (the progress dots
+# of a load continue an info line), so it goes where that one went.
+_LOG_ERROR, _LOG_CONT = 4, 5
+_last_level = 0
 
 
 @llama_cpp.llama_log_callback
 def _log(level: int, text: bytes | None, _user: ctypes.c_void_p) -> None:
-    if level >= _LOG_ERROR and text:
+    global _last_level
+    if level != _LOG_CONT:
+        _last_level = level
+    if _last_level == _LOG_ERROR and text and text.strip():
         logger.error(f"llama.cpp: {text.decode(errors='replace').rstrip()}")
 
 
