@@ -175,3 +175,13 @@ def test_finished_requests_hold_no_kv_cells(engine: LlamaCppEngine):
     assert len(engine.slots.snapshots) >= 3
     memory = engine.context.memory
     assert [llama_cpp.llama_memory_seq_pos_max(memory, s) for s in range(llamacpp_engine.MAX_BATCH)] == [-1] * 8
+
+
+def test_an_answer_ends_with_length_where_its_context_does(engine: LlamaCppEngine):
+    assert engine.context is not None
+    chunks = run(engine, {"long": params("the cat", 10**6, logit_bias={1: -100.0})})["long"]
+    usage = chunks[-1].usage
+    assert chunks[-1].finish_reason == "length" and usage is not None
+    assert usage.prompt_tokens + usage.completion_tokens == engine.context.n_ctx
+    with pytest.raises(ValueError, match="no room in the context"):
+        engine.submit(CommandId("huge"), params("", 4).model_copy(update={"messages": [], "prompt": [5] * engine.context.n_ctx}))

@@ -177,7 +177,11 @@ class LlamaCppEngine:
             prompt = [self.tokenizer.bos_token_id or 0]
         if max(prompt) >= self.model.n_vocab or min(prompt) < 0:
             raise ValueError(f"prompt token ids must be below the vocabulary size {self.model.n_vocab}")
-        max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
+        room = self.context_room(prompt)
+        if room < 1:
+            raise ValueError(f"the prompt's {len(prompt)} tokens leave no room in the context of {len(prompt) + room}")
+        # An answer ends ("length") where its context does, not in an error.
+        max_tokens = min(params.max_tokens or DEFAULT_MAX_TOKENS, room)
         answer = AnswerStream(
             request_id,
             StreamingDetokenizer(self.tokenizer.backend_tokenizer),
@@ -195,6 +199,11 @@ class LlamaCppEngine:
             want_logprobs=(params.top_logprobs or 0) if params.logprobs else None,
             submitted_at=time.perf_counter(),
         )
+
+    def context_room(self, prompt: list[int]) -> int:
+        """Tokens an answer to `prompt` can have before the context is full."""
+        assert self.context is not None
+        return self.context.n_ctx - len(prompt)
 
     def _sampler(self, params: TextGenerationTaskParams, grammar: str | None) -> Sampler:
         assert self.tokenizer is not None and self.model is not None
