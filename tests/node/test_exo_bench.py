@@ -51,3 +51,22 @@ def test_exo_bench_sweeps_every_target_and_writes_json(tmp_path):
     whats = {entry["what"] for entry in report["ratios"]}
     assert {"exo single vs mlx-lm (aggregate)", "exo single: 2 streams vs 1 (aggregate)"} <= whats
     assert {"exo single: TTFT prefix off / on", "mlx_lm.server vs mlx-lm (aggregate)"} <= whats
+
+
+def test_exo_bench_side_by_side_on_llama_cpp_runs_raw_llama_cpp(tmp_path):
+    """With llama.cpp nodes the raw target is llama.cpp itself on exo's GGUF of the same
+    dir: exo's texts equal its, one stream and two."""
+    out = tmp_path / "bench.json"
+    args = ["--pp", str(PP), "--tg", str(TG), "--concurrency", "1,2", "--rounds", "1", "--side-by-side"]
+    args += ["--hidden", "64", "--layers", "2", "--engine", "llamacpp", "--json", str(out)]
+    run = subprocess.run(_command() + args, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {(r["target"], r["concurrency"]): r for r in report["results"]}
+    assert set(rows) == {(t, c) for t in ("llama.cpp", "exo single") for c in (1, 2)}
+    for key, row in rows.items():
+        assert row["completion_tokens"] == TG and row["aggregate_tps"] > 0, key
+    for concurrency in (1, 2):
+        assert rows["exo single", concurrency]["texts"] == rows["llama.cpp", concurrency]["texts"]
+    whats = {entry["what"] for entry in report["ratios"]}
+    assert {"exo single vs llama.cpp (aggregate)", "llama.cpp: 2 streams vs 1 (aggregate)"} <= whats

@@ -4,6 +4,7 @@ and raw mlx-lm in this process (generate_step for one stream, BatchGenerator for
 several). Each target answers a round of concurrent chat requests with a `Round`."""
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -263,3 +264,72 @@ class RawTarget:
 
     def close(self) -> None:
         self.model = self.tokenizer = None
+
+
+@dataclass
+class RawLlamaCppTarget:
+    """llama.cpp in this process, no server, on the GGUF exo converts from the same dir:
+    every stream a sequence of one context, each prompt prefilled by one llama_decode,
+    then one llama_decode per step for every stream's next token (greedy, the banned ids
+    masked). No prefix cache: every round is cold."""
+
+    model_dir: Path
+    scratch: Path
+    concurrency: int = 8
+    name: str = "llama.cpp"
+    tokenizer: Any = field(default=None, init=False)
+    model: Any = field(default=None, init=False)
+    context: Any = field(default=None, init=False)
+
+    def open(self) -> None:
+        from transformers import AutoTokenizer
+
+        from exo.engine.llamacpp.engine import keeps_f32_cache
+        from exo.engine.llamacpp.gguf_convert import gguf_for
+        from exo.engine.llamacpp.native import Context, Model
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = Model(gguf_for(self.model_dir, self.scratch / "gguf"))
+        # The KV cache exo's engine gives this checkpoint, so the texts can be compared.
+        f32 = keeps_f32_cache(json.loads((self.model_dir / "config.json").read_text()))
+        self.context = Context(self.model, 16384, self.concurrency, 4096, f32_kv=f32)
+
+    def round(self, messages: list[list[dict[str, str]]], max_tokens: int, banned: list[int]) -> Round:
+        import numpy as np
+
+        start = time.perf_counter()
+        texts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        measured = [Measured(prompt_tokens=len(p), sent_at=start) for p in prompts]
+        batch = self.context.batch
+        outputs: list[list[int]] = [[] for _ in prompts]
+
+        def choose(index: int) -> int:
+            logits = np.array(self.context.logits(index))
+            logits[banned] = -np.inf
+            return int(np.argmax(logits))
+
+        for stream, prompt in enumerate(prompts):
+            batch.clear()
+            batch.add(prompt, 0, stream, True)
+            self.context.decode()
+            outputs[stream].append(choose(batch.n - 1))
+            measured[stream].first_at = measured[stream].last_at = time.perf_counter()
+        for step in range(1, max_tokens):
+            batch.clear()
+            rows = [batch.add(out[-1:], len(p) + step - 1, s, True) for s, (p, out) in enumerate(zip(prompts, outputs))]
+            self.context.decode()
+            now = time.perf_counter()
+            for stream, row in enumerate(rows):
+                outputs[stream].append(choose(row))
+                measured[stream].last_at = now
+        for stream, out in enumerate(outputs):
+            measured[stream].tokens, measured[stream].text = len(out), self.tokenizer.decode(out)
+            self.context.remove(stream)
+        return Round(measured)
+
+    def close(self) -> None:
+        if self.context is not None:
+            self.context.close()
+            self.model.close()
+        self.context = self.model = None

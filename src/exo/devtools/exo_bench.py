@@ -1,5 +1,6 @@
 """exo-bench: prompt-processing and token-generation sweeps through exo's API, and the
-same sweep on raw mlx-lm and mlx_lm.server on the same weights, side by side.
+same sweep on the raw engine on the same weights, side by side: mlx-lm and
+mlx_lm.server for MLX nodes, llama.cpp (exo's GGUF of the same dir) for llama.cpp ones.
 
     exo-bench                                   # a random tiny llama, one node started here
     exo-bench --pp 128,2048 --tg 64 --concurrency 1,8 --prefix-cache on,off
@@ -16,6 +17,7 @@ Cells are run --rounds times, alternated, and the round with the best aggregate 
 is kept. bench/README.md says what each column means."""
 
 import argparse
+import importlib.util
 import json
 import platform
 import tempfile
@@ -29,7 +31,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from exo.devtools.bench_client import Round, messages_for, words_for_tokens
-from exo.devtools.bench_targets import ExoTarget, RawTarget, ServerTarget, loopback_nodes
+from exo.devtools.bench_targets import ExoTarget, RawLlamaCppTarget, RawTarget, ServerTarget, loopback_nodes
 from exo.devtools.tiny_models import make_tiny_llama
 
 TINY_ID = "bench/tiny-llama"
@@ -73,7 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=_ints, default=[1, 8], help="requests at once, comma-separated")
     parser.add_argument("--prefix-cache", default="off", help="on, off or on,off")
     parser.add_argument("--placements", default="single", help="single, pipeline, tensor (comma-separated)")
-    parser.add_argument("--side-by-side", action="store_true", help="also raw mlx-lm and mlx_lm.server")
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="also the raw engine: mlx-lm and mlx_lm.server (MLX nodes) or llama.cpp (llama.cpp nodes)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--verify", action="store_true", help="check each stream's text against its solo run")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -95,6 +101,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.side_by_side and args.url and not args.model_dir:
         parser.error("--side-by-side needs the weights: --model-dir")
     return args
+
+
+def _engine(args: argparse.Namespace) -> str:
+    """The engine the nodes started here run: --engine, else a node's own default (auto:
+    llama.cpp on Linux where llama-cpp-python is installed)."""
+    if args.engine:
+        return args.engine
+    linux_llamacpp = platform.system() == "Linux" and importlib.util.find_spec("llama_cpp") is not None
+    return "llamacpp" if linux_llamacpp else "mlx"
 
 
 def eos_ids(model_dir: Path) -> list[int]:
@@ -126,8 +141,8 @@ def run_target(target: Target, cells: list[Cell], args: argparse.Namespace, nonc
         rounds: dict[Cell, list[tuple[Round, dict[str, Any]]]] = {cell: [] for cell in cells}
         for index in range(args.rounds):
             for cell in cells:
-                if cell.prefix_cache == "on" and isinstance(target, RawTarget):
-                    continue  # raw mlx-lm keeps no cache between calls
+                if cell.prefix_cache == "on" and isinstance(target, (RawTarget, RawLlamaCppTarget)):
+                    continue  # the raw targets keep no cache between calls
                 messages = [messages_for(args.words[cell.pp], tag) for tag in cell.tags(nonce, index)]
                 checks: dict[str, Any] = {}
                 if cell.prefix_cache == "on" and index == 0:
@@ -173,8 +188,8 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         solo = by_key.get((target, pp, tg, 1, prefix))
         if conc > 1 and solo:
             found.append(_ratio(f"{target}: {conc} streams vs 1 (aggregate)", cell, row, solo, "aggregate_tps"))
-        # exo and mlx_lm.server against raw mlx-lm; exo's splits against exo on one node.
-        bases = ["mlx-lm"] + (["exo single"] if target.startswith("exo ") else [])
+        # exo and mlx_lm.server against the raw engines; exo's splits against exo on one node.
+        bases = ["mlx-lm", "llama.cpp"] + (["exo single"] if target.startswith("exo ") else [])
         for base in bases:
             other = by_key.get((base, pp, tg, conc, prefix))
             if other and base != target:
@@ -264,7 +279,10 @@ def main(argv: list[str] | None = None) -> None:
             targets: list[Target] = []
             if args.side_by_side:
                 assert model_dir is not None
-                targets += [RawTarget(model_dir), ServerTarget(model_dir, scratch, max(args.concurrency))]
+                if _engine(args) == "llamacpp":
+                    targets += [RawLlamaCppTarget(model_dir, scratch, max(args.concurrency))]
+                else:
+                    targets += [RawTarget(model_dir), ServerTarget(model_dir, scratch, max(args.concurrency))]
             targets += exo
             rows = [row for target in targets for row in run_target(target, cells, args, nonce)]
     found = ratios(rows)

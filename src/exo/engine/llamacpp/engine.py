@@ -137,10 +137,9 @@ class LlamaCppEngine:
             split=[float(n) for n in self.follower_layers],
         )
         context_length = min(shard.model_card.context_length or 4096, MAX_CONTEXT)
-        # A float32 checkpoint keeps float32 keys and values: its own precision.
-        dtype = config.get("torch_dtype") or config.get("dtype")
-        f32 = dtype == "float32" and "quantization" not in config
-        self.context = Context(self.model, context_length, MAX_BATCH, PREFILL_STEP + MAX_BATCH, f32_kv=f32)
+        self.context = Context(
+            self.model, context_length, MAX_BATCH, PREFILL_STEP + MAX_BATCH, f32_kv=keeps_f32_cache(config)
+        )
         self.slots = Slots(self.context, MAX_BATCH)
         logger.info(f"llama.cpp: {gguf.name}, {self.model.n_layers} layers, context {self.context.n_ctx}")
 
@@ -359,6 +358,12 @@ class LlamaCppEngine:
         if self.model is not None:
             self.model.close()
         self.context = self.model = self.slots = None
+
+
+def keeps_f32_cache(config: dict) -> bool:
+    """A float32 checkpoint keeps float32 keys and values: its own precision."""
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    return dtype == "float32" and "quantization" not in config
 
 
 def _listen_endpoint(host: str) -> str:
