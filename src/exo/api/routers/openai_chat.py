@@ -11,6 +11,7 @@ from exo.api.generation import respond
 from exo.api.listing import servable_cards
 from exo.api.placing import AutoPlacerDep
 from exo.api.port import ClusterDep
+from exo.engine.llamacpp.support import card_formats
 
 router = APIRouter()
 
@@ -33,6 +34,7 @@ def list_models(cluster: ClusterDep) -> dict[str, Any]:
                 "context_length": card.context_length,
                 "reasoning_dialect": card.reasoning_dialect.value,
                 "storage_size_bytes": card.storage_size.in_bytes,
+                "formats": card_formats(card),
             }
             for card in servable_cards(cluster)
         ],

@@ -28,6 +28,24 @@ def card_refusal(card: ModelCard) -> str | None:
     return supports(config)
 
 
+def card_formats(card: ModelCard) -> list[str]:
+    """The weights each engine runs the card's model from: MLX from the checkpoint as
+    published, llama.cpp from a GGUF a node converts from it once and caches (or why
+    there is none)."""
+    published = f"safetensors, {card.quantization or 'float'} (MLX runs it as published)"
+    refusal = card_refusal(card)
+    if refusal is not None:
+        return [published, f"no GGUF: {refusal}"]
+    bits = re.fullmatch(r"(\d+)bit", card.quantization)
+    if bits is None:
+        gguf = "the checkpoint's own float type (F32, BF16 or F16)"
+    elif bits[1] == "4":
+        gguf = "Q4_K where its rows are whole 256-blocks, else Q4_1"
+    else:
+        gguf = "Q8_0"
+    return [published, f"GGUF, {gguf} (llama.cpp; converted on the node, cached)"]
+
+
 def mlx_reason(card: ModelCard, sharding: Sharding, world_size: int, sealed: bool) -> str | None:
     """Why an instance of `card` on nodes that run llama.cpp runs MLX instead, if it does."""
     if sharding == Sharding.Tensor:

@@ -1,0 +1,32 @@
+"""A model card says which weights each engine runs the model from: MLX the checkpoint
+as published, llama.cpp a GGUF converted on the node (or why there is none), as
+/v1/models lists them."""
+
+from exo.engine.llamacpp.support import card_formats
+from exo.shared.models.model_cards import ModelCard, ModelTask, StorageSize
+
+
+def card(family: str, quantization: str, capabilities: list[str] | None = None) -> ModelCard:
+    return ModelCard(
+        model_id=f"org/{family}-{quantization or 'bf16'}",
+        n_layers=4,
+        hidden_size=64,
+        tasks=[ModelTask.TextGeneration],
+        family=family,
+        quantization=quantization,
+        capabilities=capabilities or ["text"],
+        storage_size=StorageSize(in_bytes=1),
+    )
+
+
+def test_each_quantization_names_its_gguf_type():
+    assert card_formats(card("llama", "4bit"))[1].startswith("GGUF, Q4_K where its rows are whole 256-blocks")
+    assert card_formats(card("qwen3", "8bit"))[1].startswith("GGUF, Q8_0")
+    assert card_formats(card("qwen2", ""))[1].startswith("GGUF, the checkpoint's own float type")
+    assert card_formats(card("llama", "4bit"))[0] == "safetensors, 4bit (MLX runs it as published)"
+
+
+def test_a_model_llama_cpp_cannot_run_says_why_it_has_no_gguf():
+    assert card_formats(card("gemma4", "4bit"))[1] == "no GGUF: GGUF conversion covers llama, qwen2, qwen3, qwen3_moe, not gemma4"
+    assert card_formats(card("llama", "3bit"))[1].startswith("no GGUF: ")
+    assert card_formats(card("qwen3", "", ["text", "vision"]))[1] == "no GGUF: the llama.cpp engine takes no images"
