@@ -3,6 +3,8 @@ same way on every node of a cluster)."""
 
 import os
 
+import psutil
+
 # max_tokens when a request gives none.
 DEFAULT_MAX_TOKENS = 1024
 # Prompt tokens per prefill step: progress and cancellations land between steps.
@@ -20,6 +22,4 @@ PREFIX_CACHE_RESERVE_BYTES = int(os.environ.get("EXO_PREFIX_CACHE_RESERVE_BYTES"
 
 def prefix_cache_budget(held: int) -> int:
     """Bytes the prefix cache may hold now, given it holds `held`."""
-    import psutil
-
     return min(PREFIX_CACHE_BYTES, held + psutil.virtual_memory().available - PREFIX_CACHE_RESERVE_BYTES)
