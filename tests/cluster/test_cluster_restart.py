@@ -6,7 +6,7 @@ split instance, which serves again; no node's history loses or repeats an event.
 import openai
 
 from tests.support.cluster import loopback_cluster, wait_converged
-from tests.support.node import TINY_MODEL_ID
+from tests.support.node import TINY_MODEL_ID, free_port
 
 CUSTOM_CARD = {
     "model_id": "acme/custom",
@@ -63,3 +63,21 @@ def test_every_node_killed_and_restarted_gets_cards_downloads_and_instances_back
         first, second = (node.get("/events").json() for node in nodes)
         shared = min(len(first), len(second))
         assert shared > len(logs_before[0]) and first[:shared] == second[:shared]
+
+
+def test_a_node_restarted_on_another_api_port_is_reached_there(tmp_path):
+    """Its event log knows it with the old port; it must say so again, or the other
+    node's link probes (and a split's placement) keep knocking at the old one."""
+    with loopback_cluster(2, tmp_path) as nodes:
+        wait_converged(nodes)
+        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 2, timeout=30, what="links measured")
+        moved_id = nodes[1].get("/node_id").json()
+        new_port = free_port()
+        nodes.kill_and_restart([nodes[1]], api_ports=[new_port])
+
+        def reached_again(state: dict) -> bool:
+            known = state["nodes"].get(moved_id, {})
+            links = {(c["source"], c["sink"]) for c in state["topology"]["connections"]}
+            return known.get("apiPort") == new_port and len(links) == 2
+
+        nodes[0].wait_for_state(reached_again, timeout=60, what="the new port known and both links measured")

@@ -86,21 +86,28 @@ class Cluster(list):
         stop_nodes([node])
         self.remove(node)
 
-    def kill_and_restart(self, nodes: Sequence[ClusterNode]) -> list[ClusterNode]:
+    def kill_and_restart(
+        self, nodes: Sequence[ClusterNode], api_ports: Sequence[int] | None = None
+    ) -> list[ClusterNode]:
         """kill -9 every node of `nodes` (their runners die with them), then start each
-        again as it was started: same home, ports and arguments."""
+        again as it was started: same home, ports and arguments (or the API ports
+        `api_ports`, one per node)."""
         for node in nodes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(node.process.pid, signal.SIGKILL)
         for node in nodes:
             node.process.wait()
         restarted = []
-        for node in nodes:
+        for index, node in enumerate(nodes):
+            command, api_port = list(node.command), node.api_port
+            if api_ports is not None:
+                api_port = api_ports[index]
+                command[command.index("--api-port") + 1] = str(api_port)
             with node.log_path.open("ab") as log:
                 process = subprocess.Popen(
-                    list(node.command), env=node.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    command, env=node.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
-            again = dataclasses.replace(node, process=process)
+            again = dataclasses.replace(node, process=process, api_port=api_port, command=tuple(command))
             self[self.index(node)] = again
             self.started.append(again)
             restarted.append(again)

@@ -163,14 +163,12 @@ class Worker:
             known = state.nodes.get(self.node_id)
             due = time.monotonic() - last_sent >= NODE_INFO_INTERVAL_SECONDS
             # Report again when the cluster has forgotten this node (it timed out, or its
-            # first report went out before there was a master), or memory moved a lot.
+            # first report went out before there was a master), when memory moved a lot,
+            # or when anything else differs: a node restarted on its old home with another
+            # API port or engine is known from its event log as it was.
             if known is None or due:
                 info = gather_node_info(self.node_id, self.exo_home, self.api_port, self.engine, self.sealed)
-                moved = (
-                    known is not None
-                    and abs(info.memory.available_bytes - known.memory.available_bytes) > MEMORY_REPORT_THRESHOLD_BYTES
-                )
-                if known is None or moved:
+                if known is None or _differs(known, info):
                     self.emit(NodeGatheredInfo(info=info))
                 last_sent = time.monotonic()
             await asyncio.sleep(1.0)
@@ -474,3 +472,11 @@ def gather_node_info(
         api_port=api_port,
         interfaces=local_interfaces(),
     )
+
+
+def _differs(known: NodeInfo, info: NodeInfo) -> bool:
+    """Whether a fresh gathering is worth an event: memory that moved a lot, or any change
+    but the wobble of free memory and disk."""
+    moved = abs(info.memory.available_bytes - known.memory.available_bytes) > MEMORY_REPORT_THRESHOLD_BYTES
+    steady = info.model_copy(update={"memory": known.memory, "disk_available_bytes": known.disk_available_bytes})
+    return moved or steady != known
