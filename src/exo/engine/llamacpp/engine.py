@@ -34,7 +34,7 @@ from exo.engine.encoding.chat_prompt import encode_prompt
 from exo.engine.limits import DEFAULT_MAX_TOKENS, MAX_BATCH, PREFILL_STEP
 from exo.engine.llamacpp import rpc
 from exo.engine.llamacpp.gguf_convert import gguf_for
-from exo.engine.llamacpp.native import Context, Model
+from exo.engine.llamacpp.native import Context, Model, threads
 from exo.engine.llamacpp.sampling import Sampler, token_logprob
 from exo.engine.llamacpp.slots import Slots
 from exo.engine.parsing.output import think_markers_for, tool_format_for, vocabulary_think_markers
@@ -53,6 +53,11 @@ from exo.shared.types.text_generation import (
 
 # KV cells of the context (all sequences together): the card's context, at most this.
 MAX_CONTEXT = int(os.environ.get("EXO_LLAMACPP_CONTEXT", "32768"))
+# A finished request's KV on a split is saved only if that takes at most this many RPC
+# round trips (each ~0.1 ms on loopback, more on a LAN): a request that decoded among
+# others has its KV in as many pieces as it had steps, and a float32 KV's values are
+# read a row at a time. 8 such requests on a 2-node split took 3.4 s each to save.
+MAX_SAVE_ROUND_TRIPS = 256
 
 
 @dataclass
@@ -67,6 +72,7 @@ class _Request:
     sequence: int | None = None  # its sequence once admitted
     fed: int = 0  # tokens in its sequence's KV
     cached_tokens: int = 0
+    shared_steps: int = 0  # steps its tokens shared with another sequence's (its KV is in pieces)
     output: list[int] = field(default_factory=list)
     first_token_at: float | None = None
 
@@ -91,6 +97,9 @@ class LlamaCppEngine:
         self.rank = 0
         self.endpoints: list[str] = []  # the followers' RPC servers (rank 0)
         self.follower_layers: list[int] = []  # their layer counts, in rank order
+        self.n_threads = threads()
+        self.f32_kv = False
+        self.kv_width = 0  # keys (and values) per token per layer
         self._requests: dict[CommandId, _Request] = {}
         self._grammar_tokenizer = None
         self.shutdown_requested = False
@@ -105,8 +114,9 @@ class LlamaCppEngine:
         self.rank = shard.device_rank
         if shard.world_size == 1:
             return
+        self.n_threads = threads(sharers=_ranks_on_this_machine(instance.hosts, self.rank))
         if self.rank > 0:
-            rpc.serve(_listen_endpoint(instance.hosts[self.rank]))
+            rpc.serve(_listen_endpoint(instance.hosts[self.rank]), self.n_threads)
         else:
             self.endpoints = instance.hosts[1:]
             shards = sorted(instance.shard_assignments.runner_to_shard.values(), key=lambda s: s.device_rank)
@@ -137,8 +147,15 @@ class LlamaCppEngine:
             split=[float(n) for n in self.follower_layers],
         )
         context_length = min(shard.model_card.context_length or 4096, MAX_CONTEXT)
+        self.f32_kv = keeps_f32_cache(config)
+        self.kv_width = _kv_width(config)
         self.context = Context(
-            self.model, context_length, MAX_BATCH, PREFILL_STEP + MAX_BATCH, f32_kv=keeps_f32_cache(config)
+            self.model,
+            context_length,
+            MAX_BATCH,
+            PREFILL_STEP + MAX_BATCH,
+            f32_kv=self.f32_kv,
+            n_threads=self.n_threads,
         )
         self.slots = Slots(self.context, MAX_BATCH)
         logger.info(f"llama.cpp: {gguf.name}, {self.model.n_layers} layers, context {self.context.n_ctx}")
@@ -247,6 +264,9 @@ class LlamaCppEngine:
                 request.sequence, request.cached_tokens = self.slots.take(request.prompt)
                 request.fed = request.cached_tokens
         plan = self._fill_batch(running)
+        if len(plan) > 1:
+            for request, _, _ in plan:
+                request.shared_steps += 1
         if self.context.decode() == 1:
             # No room in the KV cache for the running requests (llama.cpp left it as it
             # was): the newest gives way.
@@ -310,11 +330,27 @@ class LlamaCppEngine:
 
     def _leave(self, request: _Request) -> None:
         """The request's KV is saved for the prefix cache with what it holds: the prompt
-        and every generated token but the last (never fed)."""
+        and every generated token but the last (never fed); unless reading it back from
+        the followers would stall the batch."""
         assert self.slots is not None and request.sequence is not None
-        held = (request.prompt + request.output)[: request.fed]
-        self.slots.keep(request.sequence, held)
+        if self._save_round_trips(request) > MAX_SAVE_ROUND_TRIPS:
+            self.slots.release(request.sequence)
+        else:
+            self.slots.keep(request.sequence, (request.prompt + request.output)[: request.fed])
         request.sequence = None
+
+    def _save_round_trips(self, request: _Request) -> int:
+        """The RPC calls that saving the request's KV costs: llama.cpp reads a sequence
+        one run of cells at a time, per layer, keys then values; its values transposed
+        (a float32 KV, without flash attention) one row of a run at a time. Each step the
+        request shared with other sequences may have started a new run."""
+        assert self.model is not None
+        remote_layers = sum(self.follower_layers)
+        if remote_layers == 0:
+            return 0
+        runs = 1 + request.shared_steps
+        per_run = 1 + (self.kv_width if self.f32_kv else 1)
+        return remote_layers * runs * per_run
 
     def _fail(self, request: _Request, message: str) -> ChunkGenerated:
         del self._requests[request.request_id]
@@ -364,6 +400,18 @@ def keeps_f32_cache(config: dict) -> bool:
     """A float32 checkpoint keeps float32 keys and values: its own precision."""
     dtype = config.get("torch_dtype") or config.get("dtype")
     return dtype == "float32" and "quantization" not in config
+
+
+def _kv_width(config: dict) -> int:
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return heads * head_dim
+
+
+def _ranks_on_this_machine(hosts: list[str], rank: int) -> int:
+    """How many ranks of the instance share this rank's address, and so its cores."""
+    address = hosts[rank].rsplit(":", 1)[0]
+    return sum(1 for host in hosts if host.rsplit(":", 1)[0] == address)
 
 
 def _listen_endpoint(host: str) -> str:
