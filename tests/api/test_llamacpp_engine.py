@@ -43,6 +43,21 @@ def test_state_says_the_node_and_the_instance_run_llamacpp(node: ExoNode):
     assert "llama.cpp:" in node.logs()
 
 
+def test_the_runner_reports_the_gguf_conversion_before_it_loads_layers(node: ExoNode):
+    statuses = [
+        e["event"]["status"]
+        for e in node.get("/events").json()
+        if e["event"]["kind"] == "RunnerStatusUpdated" and e["event"]["status"]["kind"] == "RunnerLoading"
+    ]
+    converting = [s for s in statuses if s["totalConvertBytes"]]
+    assert converting, statuses
+    done = [s["convertedBytes"] for s in converting]
+    assert done == sorted(done) and done[-1] == converting[-1]["totalConvertBytes"]
+    # Layers load once the GGUF is written.
+    first_layer = next(i for i, s in enumerate(statuses) if s["layersLoaded"])
+    assert first_layer > statuses.index(converting[-1])
+
+
 def test_a_streamed_chat_equals_the_whole_answer(sdk: openai.OpenAI):
     whole = greedy(sdk, max_tokens=12)
     assert whole.choices[0].message.content and whole.usage.completion_tokens <= 12

@@ -54,8 +54,9 @@ def make_layered_model(path: Path, num_key_value_heads: int = 3) -> dict[str, st
 @contextlib.contextmanager
 def cluster_with_the_model(count: int, endpoint: str, tmp_path: Path, args: tuple[str, ...] = ()) -> Iterator[list]:
     """`count` nodes on loopback that download from the fake hub, linked both ways, with
-    MODEL_ID's card added. They run MLX: per-shard downloads are an MLX pipeline's (a
-    llama.cpp split's rank 0 loads every layer and fetches them all)."""
+    MODEL_ID's card added. They run MLX unless `args` say otherwise: per-shard downloads
+    are an MLX pipeline's (a llama.cpp split's rank 0 loads every layer and fetches them
+    all; its followers fetch none)."""
     env = {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"}
     with loopback_cluster(count, tmp_path, env, args=("--engine", "mlx", *args), offline=False) as nodes:
         wait_converged(nodes, timeout=60)
@@ -131,6 +132,31 @@ def test_a_three_way_pipeline_downloads_each_node_only_its_layers(fake_hub: Fake
         ratio = fake_hub.body_bytes_sent / model_bytes
         print(f"3-way pipeline, per-shard downloads: hub bytes / model size = {ratio:.3f}")
         assert ratio < 1.3, ratio
+
+
+def test_a_llamacpp_split_fetches_every_weight_to_rank_0_and_none_to_its_follower(
+    fake_hub: FakeHub, tmp_path: Path
+) -> None:
+    """Rank 0 sends the follower its layers over ggml's RPC: the follower's download is the
+    config and tokenizer only, and the split still serves."""
+    endpoint, root = fake_hub
+    weight_map = make_layered_model(root / "acme--layered")
+    with cluster_with_the_model(2, endpoint, tmp_path, args=("--engine", "llamacpp")) as nodes:
+        instance_id = place_ready(nodes, min_nodes=2)
+        state = nodes[0].state()
+        instance = state["instances"][instance_id]
+        assert instance["engine"] == "llamacpp"
+        assert answers(nodes[0])
+        assignments = instance["shardAssignments"]
+        for node in nodes:
+            node_id = node.node_id()
+            rank = assignments["runnerToShard"][assignments["nodeToRunner"][node_id]]["deviceRank"]
+            record = state["downloads"][node_id][MODEL_ID]
+            held = {name for name in record["files"] if name.endswith(".safetensors")}
+            on_disk = {f.name for f in (node.home / "models").rglob("*.safetensors")}
+            expected = set(weight_map.values()) if rank == 0 else set()
+            assert held == on_disk == expected, (rank, record)
+            assert "config.json" in record["files"]
 
 
 def test_with_the_hub_stopped_a_node_takes_the_files_it_lacks_from_its_peer(fake_hub: FakeHub, tmp_path: Path) -> None:

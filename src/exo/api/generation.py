@@ -19,7 +19,7 @@ from exo.api.errors import ApiError
 from exo.api.instance_watch import InstancesSeen, watch_instances
 from exo.api.placing import AutoPlacer, card_or_404
 from exo.api.port import ClusterPort
-from exo.shared.queries import has_task_for, instances_of, is_serving, layers_loaded
+from exo.shared.queries import has_task_for, instances_of, is_serving, layers_loaded, weights_converted
 from exo.shared.types.commands import TaskFinished, TextGeneration
 from exo.shared.types.common import InstanceId
 from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams
@@ -301,6 +301,9 @@ async def respond(
 
 def loading_comment(seen: InstancesSeen) -> str:
     """An SSE comment saying how far the instance's runners have loaded the model."""
+    converted = next((p for i in seen.instances if (p := weights_converted(seen.state, i)) is not None), None)
+    if converted:
+        return f": converting the weights for the engine {converted[0] * 100 // max(converted[1], 1)}%\n\n"
     progress = next((p for i in seen.instances if (p := layers_loaded(seen.state, i)) is not None), None)
     return f": loading model {progress[0]}/{progress[1]} layers\n\n" if progress else ": waiting\n\n"
 

@@ -16,6 +16,8 @@ from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams
 
 LayerProgress = Callable[[int, int], None]
+# (bytes written, bytes in all) of a conversion of the weights before they load.
+ConvertProgress = Callable[[int, int], None]
 
 
 class Engine(Protocol):
@@ -23,8 +25,16 @@ class Engine(Protocol):
         """Join the instance's group of ranks (a no-op for a single rank)."""
         ...
 
-    def load(self, model_dir: Path, shard: ShardMetadata, on_layer_loaded: LayerProgress) -> None:
-        """Load this rank's part of the model; on_layer_loaded(done, total) reports progress."""
+    def load(
+        self,
+        model_dir: Path,
+        shard: ShardMetadata,
+        on_layer_loaded: LayerProgress,
+        on_converted: ConvertProgress | None = None,
+    ) -> None:
+        """Load this rank's part of the model; on_layer_loaded(done, total) reports progress,
+        and on_converted(done, total) that of converting the weights first, if the engine
+        does."""
         ...
 
     def warm_up(self) -> int:

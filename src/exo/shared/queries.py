@@ -35,6 +35,15 @@ def instances_of(state: State, model_id: str) -> list[Instance]:
     return [instance for instance in state.instances.values() if instance.model_id == model_id]
 
 
+def weights_converted(state: State, instance: Instance) -> tuple[int, int] | None:
+    """(written, total) bytes of the weights the instance's runners are converting for
+    their engine, else None."""
+    converting = [s for s in runner_statuses(state, instance).values() if isinstance(s, RunnerLoading) and s.total_convert_bytes]
+    if not converting:
+        return None
+    return sum(s.converted_bytes for s in converting), sum(s.total_convert_bytes for s in converting)
+
+
 def layers_loaded(state: State, instance: Instance) -> tuple[int, int] | None:
     """(loaded, total) layers over the instance's runners that are loading, else None."""
     loading = [s for s in runner_statuses(state, instance).values() if isinstance(s, RunnerLoading) and s.total_layers]
@@ -79,12 +88,13 @@ def download_running(state: State, node_id: NodeId, model_id: str) -> bool:
 
 
 def layers_needed(instance: Instance, node_id: NodeId) -> tuple[int, int] | None:
-    """The layer range the node's pipeline rank of the instance runs; None: every layer."""
+    """The layer range of the model's weights the node's rank of the instance reads; None:
+    every layer; an empty range: no weights (its config and tokenizer only)."""
     shard = instance.shard_assignments.runner_to_shard[instance.shard_assignments.node_to_runner[node_id]]
-    if instance.engine == EngineKind.LlamaCpp and shard.device_rank == 0:
+    if instance.engine == EngineKind.LlamaCpp and instance.world_size > 1:
         # llama.cpp's rank 0 loads the whole model and sends the followers' layers to their
-        # RPC servers: it needs every layer's weights.
-        return None
+        # RPC servers: it needs every layer's weights, and a follower none.
+        return None if shard.device_rank == 0 else (shard.start_layer, shard.start_layer)
     if isinstance(shard, PipelineShardMetadata) and (shard.start_layer, shard.end_layer) != (0, shard.n_layers):
         return shard.start_layer, shard.end_layer
     return None

@@ -3,7 +3,7 @@ worker knows about its own runner processes."""
 
 from dataclasses import dataclass
 
-from exo.shared.queries import download_running, gave_up_reason, instance_using_files
+from exo.shared.queries import download_running, gave_up_reason, instance_using_files, layers_needed
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.downloads import DownloadCancelled, DownloadCompleted, DownloadFailed, DownloadProgress
 from exo.shared.types.instances import Instance
@@ -200,7 +200,8 @@ def _plan_instance(
     if isinstance(download, DownloadFailed):
         return DeleteFailedInstance(instance.instance_id, f"model unavailable: {download.error_message}")
     shard = instance.shard_assignments.runner_to_shard[runner_id]
-    if not isinstance(download, DownloadCompleted) or not download.covers(shard.start_layer, shard.end_layer):
+    start, end = layers_needed(instance, node_id) or (0, shard.n_layers)  # None: every layer
+    if not isinstance(download, DownloadCompleted) or not download.covers(start, end):
         # No record yet, one left by an earlier run of this node, or files for other
         # layers than this shard's: look (again).
         return None if instance.model_id in downloading else FindModel(instance.instance_id)

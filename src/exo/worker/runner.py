@@ -101,6 +101,25 @@ class Runner:
         self.engine.close()
         self.set_status(RunnerShutdown())
 
+    def _load(self, model_dir: Path) -> None:
+        layers = self.shard.end_layer - self.shard.start_layer
+        self.set_status(RunnerLoading(layers_loaded=0, total_layers=layers))
+        reported = -1
+
+        def converted(done: int, total: int) -> None:
+            # Whole percents: each status is an event every node logs.
+            nonlocal reported
+            percent = done * 100 // max(total, 1)
+            if percent != reported:
+                reported = percent
+                status = RunnerLoading(total_layers=layers, converted_bytes=done, total_convert_bytes=total)
+                self.set_status(status)
+
+        def loaded(done: int, total: int) -> None:
+            self.set_status(RunnerLoading(layers_loaded=done, total_layers=total))
+
+        self.engine.load(model_dir, self.shard, loaded, converted)
+
     def handle(self, instruction: RunnerInstruction) -> bool:
         match instruction:
             case ConnectToGroup():
@@ -112,14 +131,7 @@ class Runner:
                 if other is not None:
                     self.engine = other
                     self.engine.connect(self.instance, self.shard)
-                self.set_status(
-                    RunnerLoading(layers_loaded=0, total_layers=self.shard.end_layer - self.shard.start_layer)
-                )
-                self.engine.load(
-                    Path(model_dir),
-                    self.shard,
-                    lambda done, total: self.set_status(RunnerLoading(layers_loaded=done, total_layers=total)),
-                )
+                self._load(Path(model_dir))
                 self.set_status(RunnerLoaded())
             case StartWarmup():
                 self.set_status(RunnerWarmingUp())

@@ -27,7 +27,7 @@ from loguru import logger
 from transformers import AutoTokenizer
 
 from exo.engine.answer import AnswerStream, output_parser_for
-from exo.engine.base import LayerProgress
+from exo.engine.base import ConvertProgress, LayerProgress
 from exo.engine.constrained import GrammarMask, grammar_for, grammar_tokenizer
 from exo.engine.detokenizer import StreamingDetokenizer
 from exo.engine.encoding.chat_prompt import encode_prompt
@@ -122,7 +122,13 @@ class LlamaCppEngine:
             shards = sorted(instance.shard_assignments.runner_to_shard.values(), key=lambda s: s.device_rank)
             self.follower_layers = [s.end_layer - s.start_layer for s in shards[1:]]
 
-    def load(self, model_dir: Path, shard: ShardMetadata, on_layer_loaded: LayerProgress) -> None:
+    def load(
+        self,
+        model_dir: Path,
+        shard: ShardMetadata,
+        on_layer_loaded: LayerProgress,
+        on_converted: ConvertProgress | None = None,
+    ) -> None:
         total = shard.end_layer - shard.start_layer
         if self.rank > 0:
             on_layer_loaded(total, total)  # rank 0 sends this rank's layers over RPC
@@ -136,7 +142,7 @@ class LlamaCppEngine:
         self.think_markers = think_markers_for(self.model_type, detected)
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
         self.reasoning_dialect = shard.model_card.reasoning_dialect.value
-        gguf = gguf_for(model_dir, _gguf_cache_dir())
+        gguf = gguf_for(model_dir, _gguf_cache_dir(), on_converted)
         n_layers = shard.n_layers
         devices = rpc.remote_devices(self.endpoints) if self.endpoints else []
         self.model = Model(

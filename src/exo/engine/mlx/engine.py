@@ -24,7 +24,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from pydantic import Field, TypeAdapter
 
 from exo.engine.answer import AnswerStream, output_parser_for
-from exo.engine.base import LayerProgress
+from exo.engine.base import ConvertProgress, LayerProgress
 from exo.engine.limits import DEFAULT_MAX_TOKENS, MAX_BATCH, PREFILL_STEP
 from exo.engine.mlx.batching import DecodeBatch, can_batch
 from exo.engine.mlx.chat_template import detected_think_markers, encode_prompt
@@ -204,7 +204,13 @@ class MlxEngine:
     def connect(self, instance: Instance, shard: ShardMetadata) -> None:
         self.group = connect_group(instance, shard)
 
-    def load(self, model_dir: Path, shard: ShardMetadata, on_layer_loaded: LayerProgress) -> None:
+    def load(
+        self,
+        model_dir: Path,
+        shard: ShardMetadata,
+        on_layer_loaded: LayerProgress,
+        on_converted: ConvertProgress | None = None,  # MLX loads the checkpoint as published
+    ) -> None:
         self.model, self.tokenizer = load_shard(model_dir, shard, self.group, on_layer_loaded)
         self.model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
         self.tool_format = tool_format_for(self.model_type, self.tokenizer.chat_template)

@@ -69,6 +69,14 @@ export function linkRows(state) {
 export function describeRunner(status) {
   if (!status) return { text: "pending", progress: null, failed: false };
   const text = status.kind.replace(/^Runner/, "");
+  if (status.kind === "RunnerLoading" && status.totalConvertBytes > 0) {
+    const percent = Math.floor((100 * status.convertedBytes) / status.totalConvertBytes);
+    return {
+      text: `Converting the weights for the engine: ${percent}%`,
+      progress: status.convertedBytes / status.totalConvertBytes,
+      failed: false,
+    };
+  }
   if (status.kind === "RunnerLoading" && status.totalLayers > 0) {
     return {
       text: `Loading ${status.layersLoaded}/${status.totalLayers} layers`,

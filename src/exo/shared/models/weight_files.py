@@ -13,10 +13,13 @@ def files_for_layers(weight_map: dict[str, str], layers: tuple[int, int] | None)
     tensor that belongs to no layer (embeddings, final norm, head): every rank reads those,
     because the first embeds the prompt, and in exo's pipeline every rank computes the
     logits from the last rank's output (rank 0 samples from them), so each needs the head;
-    an absent embedding would be built at full precision from random numbers. None: all."""
+    an absent embedding would be built at full precision from random numbers. None: all;
+    an empty range: none (a rank that is sent its weights, as a llama.cpp follower is)."""
     if layers is None:
         return set(weight_map.values())
     start, end = layers
+    if start == end:
+        return set()
     needed = set()
     for tensor, file in weight_map.items():
         match = _LAYER_OF_TENSOR.search(tensor)

@@ -23,6 +23,10 @@ class RunnerLoading(FrozenModel):
     kind: Literal["RunnerLoading"] = "RunnerLoading"
     layers_loaded: int = 0
     total_layers: int = 0
+    # Bytes written of the weights converted for the engine before it loads them
+    # (llama.cpp's GGUF, made once per checkpoint); both 0 when nothing is converted.
+    converted_bytes: int = 0
+    total_convert_bytes: int = 0
 
 
 class RunnerLoaded(FrozenModel):

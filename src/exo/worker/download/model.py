@@ -179,7 +179,9 @@ def _select_weights(
     files: list[RepoFile], weight_map: dict[str, str] | None, layers: tuple[int, int] | None, model_id: str
 ) -> list[RepoFile]:
     """With an index, only the shards it names (repos sometimes also carry a consolidated
-    copy), and of those only the ones `layers` need."""
+    copy), and of those only the ones `layers` need (an empty range: none)."""
+    if layers is not None and layers[0] == layers[1]:
+        return [file for file in files if not file.name.endswith(".safetensors")]
     if weight_map is None:
         return files
     names = {file.name for file in files}
