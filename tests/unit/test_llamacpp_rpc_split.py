@@ -3,8 +3,10 @@ another process (no exo nodes: the engine is wired to the follower as connect() 
 A request that ran alone keeps its KV for the prefix cache; one that decoded among
 others does not, since reading its scattered KV back from the follower costs a round
 trip per piece (8 such requests took 3.4 s each on a 1024x16 llama). Both give the
-tokens one node gives. And ranks of one instance on one machine share its cores."""
+tokens one node gives. And ranks of one instance on one machine let idle threads sleep
+soon, so the working rank has the cores."""
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import exo.engine.llamacpp.engine as llamacpp_engine
 from exo.catalog.cards import card_from_model_dir
 from exo.devtools.bench_targets import free_port
 from exo.engine.llamacpp.engine import LlamaCppEngine
-from exo.engine.llamacpp.native import threads
+from exo.engine.llamacpp.cores import SHARED_MACHINE_SPINS, ranks_on_this_machine, share_cores
 from exo.shared.types.shards import PipelineShardMetadata
 from tests.support.node import TINY_MODEL_ID
 from tests.unit.test_llamacpp_batching import params, run, tokens
@@ -29,7 +30,7 @@ def split_engine(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory
         [
             sys.executable,
             "-c",
-            f"import time; from exo.engine.llamacpp import rpc; rpc.serve('127.0.0.1:{port}', 1); time.sleep(600)",
+            f"import time; from exo.engine.llamacpp import rpc; rpc.serve('127.0.0.1:{port}'); time.sleep(600)",
         ]
     )
     model_dir = tiny_models_dir / TINY_MODEL_ID.replace("/", "--")
@@ -67,9 +68,13 @@ def test_a_lone_request_is_cached_and_a_batched_one_is_not(split_engine: LlamaCp
     assert tokens(together["s1"]) == tokens(solo)
 
 
-def test_ranks_on_one_machine_share_its_cores():
+def test_ranks_on_one_machine_let_each_other_have_the_cores(monkeypatch: pytest.MonkeyPatch):
     same_host = ["127.0.0.1:5000", "127.0.0.1:5001"]
     two_hosts = ["10.0.0.1:5000", "10.0.0.2:5000"]
-    assert llamacpp_engine._ranks_on_this_machine(same_host, 1) == 2
-    assert llamacpp_engine._ranks_on_this_machine(two_hosts, 0) == 1
-    assert threads(sharers=2) == max(threads() // 2, 1)
+    assert ranks_on_this_machine(same_host, 1) == 2
+    assert ranks_on_this_machine(two_hosts, 0) == 1
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    share_cores(two_hosts, 0)
+    assert "GOMP_SPINCOUNT" not in os.environ
+    share_cores(same_host, 1)
+    assert os.environ["GOMP_SPINCOUNT"] == SHARED_MACHINE_SPINS

@@ -34,7 +34,7 @@ from exo.engine.encoding.chat_prompt import encode_prompt
 from exo.engine.limits import DEFAULT_MAX_TOKENS, MAX_BATCH, PREFILL_STEP
 from exo.engine.llamacpp import rpc
 from exo.engine.llamacpp.gguf_convert import gguf_for
-from exo.engine.llamacpp.native import Context, Model, threads
+from exo.engine.llamacpp.native import Context, Model
 from exo.engine.llamacpp.sampling import Sampler, token_logprob
 from exo.engine.llamacpp.slots import Slots
 from exo.engine.parsing.output import think_markers_for, tool_format_for, vocabulary_think_markers
@@ -97,7 +97,6 @@ class LlamaCppEngine:
         self.rank = 0
         self.endpoints: list[str] = []  # the followers' RPC servers (rank 0)
         self.follower_layers: list[int] = []  # their layer counts, in rank order
-        self.n_threads = threads()
         self.f32_kv = False
         self.kv_width = 0  # keys (and values) per token per layer
         self._requests: dict[CommandId, _Request] = {}
@@ -114,9 +113,8 @@ class LlamaCppEngine:
         self.rank = shard.device_rank
         if shard.world_size == 1:
             return
-        self.n_threads = threads(sharers=_ranks_on_this_machine(instance.hosts, self.rank))
         if self.rank > 0:
-            rpc.serve(_listen_endpoint(instance.hosts[self.rank]), self.n_threads)
+            rpc.serve(_listen_endpoint(instance.hosts[self.rank]))
         else:
             self.endpoints = instance.hosts[1:]
             shards = sorted(instance.shard_assignments.runner_to_shard.values(), key=lambda s: s.device_rank)
@@ -161,7 +159,6 @@ class LlamaCppEngine:
             MAX_BATCH,
             PREFILL_STEP + MAX_BATCH,
             f32_kv=self.f32_kv,
-            n_threads=self.n_threads,
         )
         self.slots = Slots(self.context, MAX_BATCH)
         logger.info(f"llama.cpp: {gguf.name}, {self.model.n_layers} layers, context {self.context.n_ctx}")
@@ -412,12 +409,6 @@ def _kv_width(config: dict) -> int:
     heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return heads * head_dim
-
-
-def _ranks_on_this_machine(hosts: list[str], rank: int) -> int:
-    """How many ranks of the instance share this rank's address, and so its cores."""
-    address = hosts[rank].rsplit(":", 1)[0]
-    return sum(1 for host in hosts if host.rsplit(":", 1)[0] == address)
 
 
 def _listen_endpoint(host: str) -> str:

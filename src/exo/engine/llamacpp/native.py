@@ -12,8 +12,9 @@ from typing import Any
 
 import llama_cpp
 import numpy as np
-import psutil
 from loguru import logger
+
+from exo.engine.llamacpp.cores import threads
 
 # What llama.cpp logs at load (every tensor, every layer) is noise on a node's log; its
 # errors still go there. A CONT line continues the message before it (the progress dots
@@ -40,19 +41,6 @@ def init_backend() -> None:
         llama_cpp.llama_log_set(_log, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         _initialised = True
-
-
-def threads(sharers: int = 1) -> int:
-    """llama.cpp's threads: EXO_LLAMACPP_THREADS, else one per physical core (hyperthreads
-    add nothing to decode, and a spinning thread that shares a core stalls every step),
-    divided between the `sharers` ranks of an instance that run on this machine.
-    On this 2-core VM 2 threads decode Q4_0 at 1.4x the rate of 1. Two ranks on it with
-    2 threads each decoded a pipeline at a quarter of one node's rate: ggml's threads
-    spin at every op's barrier, and a rank's idle threads took the cores the other's
-    barriers waited for."""
-    configured = int(os.environ.get("EXO_LLAMACPP_THREADS", "0"))
-    cores = psutil.cpu_count(logical=False) or max((os.cpu_count() or 2) // 2, 1)
-    return configured or max(cores // sharers, 1)
 
 
 def extra_buffer_types() -> bool:
@@ -119,15 +107,13 @@ class Context:
     """One llama.cpp context: `sequences` sequences sharing one KV buffer of `n_ctx`
     cells (unified: a request may use what the others leave), in f16 unless `f32_kv`."""
 
-    def __init__(
-        self, model: Model, n_ctx: int, sequences: int, batch_tokens: int, f32_kv: bool = False, n_threads: int = 0
-    ) -> None:
+    def __init__(self, model: Model, n_ctx: int, sequences: int, batch_tokens: int, f32_kv: bool = False) -> None:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = batch_tokens
         params.n_ubatch = min(batch_tokens, 512)
         params.n_seq_max = sequences
-        params.n_threads = params.n_threads_batch = n_threads or threads()
+        params.n_threads = params.n_threads_batch = threads()
         params.kv_unified = True
         if f32_kv:
             # llama.cpp keeps keys and values in f16 by default, and its CPU flash

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import llama_cpp
 
+from exo.engine.llamacpp.cores import threads
 from exo.engine.llamacpp.native import init_backend
 
 _LIB_DIR = Path(llama_cpp.__file__).parent / "lib"
@@ -48,9 +49,8 @@ def _ggml() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL]:
     return ggml, base, rpc
 
 
-def serve(endpoint: str, n_threads: int) -> threading.Thread:
-    """Serves this node's CPU at `endpoint` ("host:port") with `n_threads` threads until
-    the process ends."""
+def serve(endpoint: str) -> threading.Thread:
+    """Serves this node's CPU at `endpoint` ("host:port") until the process ends."""
     init_backend()
     ggml, _, rpc = _ggml()
     cpu = ggml.ggml_backend_dev_by_type(_CPU_DEVICE)
@@ -58,7 +58,7 @@ def serve(endpoint: str, n_threads: int) -> threading.Thread:
 
     def run() -> None:
         # Blocks for good (ctypes releases the GIL while it does).
-        rpc.ggml_backend_rpc_start_server(endpoint.encode(), None, n_threads, 1, devices)
+        rpc.ggml_backend_rpc_start_server(endpoint.encode(), None, threads(), 1, devices)
 
     thread = threading.Thread(target=run, name="ggml-rpc-server", daemon=True)
     thread.start()
