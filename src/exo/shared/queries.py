@@ -38,7 +38,8 @@ def instances_of(state: State, model_id: str) -> list[Instance]:
 def weights_converted(state: State, instance: Instance) -> tuple[int, int] | None:
     """(written, total) bytes of the weights the instance's runners are converting for
     their engine, else None."""
-    converting = [s for s in runner_statuses(state, instance).values() if isinstance(s, RunnerLoading) and s.total_convert_bytes]
+    statuses = runner_statuses(state, instance).values()
+    converting = [s for s in statuses if isinstance(s, RunnerLoading) and s.total_convert_bytes]
     if not converting:
         return None
     return sum(s.converted_bytes for s in converting), sum(s.total_convert_bytes for s in converting)

@@ -153,13 +153,7 @@ class LlamaCppEngine:
         context_length = min(shard.model_card.context_length or 4096, MAX_CONTEXT)
         self.f32_kv = keeps_f32_cache(config)
         self.kv_width = _kv_width(config)
-        self.context = Context(
-            self.model,
-            context_length,
-            MAX_BATCH,
-            PREFILL_STEP + MAX_BATCH,
-            f32_kv=self.f32_kv,
-        )
+        self.context = Context(self.model, context_length, MAX_BATCH, PREFILL_STEP + MAX_BATCH, f32_kv=self.f32_kv)
         self.slots = Slots(self.context, MAX_BATCH)
         logger.info(f"llama.cpp: {gguf.name}, {self.model.n_layers} layers, context {self.context.n_ctx}")
 
@@ -347,7 +341,6 @@ class LlamaCppEngine:
         one run of cells at a time, per layer, keys then values; its values transposed
         (a float32 KV, without flash attention) one row of a run at a time. Each step the
         request shared with other sequences may have started a new run."""
-        assert self.model is not None
         remote_layers = sum(self.follower_layers)
         if remote_layers == 0:
             return 0
