@@ -2,9 +2,7 @@
 
 import argparse
 import asyncio
-import importlib.util
 import os
-import platform
 import socket
 import sys
 from pathlib import Path
@@ -18,11 +16,12 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was 
 
 from exo.node import Node, NodeConfig  # noqa: E402
 from exo.shared.cluster_secret import SECRET_ENV  # noqa: E402
-from exo.shared.types.instances import EngineKind  # noqa: E402
+from exo.worker.hardware import choose_engine, probe  # noqa: E402
 
-# auto: llama.cpp on Linux (MLX has only its CPU backend there, about 100x slower at
-# decode: docs/engines.md), MLX on Apple silicon. A model llama.cpp cannot run, and a
-# split under a cluster secret, still run on MLX (engine/llamacpp/support.py).
+# auto: MLX where it has a GPU (Apple silicon, or its CUDA build on an NVIDIA GPU), else
+# llama.cpp (MLX's CPU backend is tens of times slower at decode: docs/engines.md); see
+# worker/hardware.py. A model llama.cpp cannot run, and a split under a cluster secret,
+# still run on MLX (engine/llamacpp/support.py).
 DEFAULT_ENGINE = "auto"
 
 
@@ -82,8 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engine",
         choices=["auto", "mlx", "llamacpp"],
         default=os.environ.get("EXO_ENGINE", DEFAULT_ENGINE),
-        help="what runs models on this node: MLX, llama.cpp, or auto (llama.cpp on Linux, "
-        f"MLX on Apple silicon); also EXO_ENGINE; default {DEFAULT_ENGINE}",
+        help="what runs models on this node: MLX, llama.cpp, or auto (MLX where it has a GPU: "
+        f"Apple silicon, or CUDA; llama.cpp elsewhere); also EXO_ENGINE; default {DEFAULT_ENGINE}",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
@@ -91,16 +90,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.api_keys = os.environ.get("EXO_API_KEY", "").split(",")
     args.api_keys = [key.strip() for key in args.api_keys if key.strip()]
     return args
-
-
-def resolve_engine(choice: str) -> EngineKind:
-    """auto: MLX on Apple silicon (its GPU); llama.cpp elsewhere, where exo's MLX has only
-    its CPU backend (NodeInfo.backend "cpu"), if llama-cpp-python is installed."""
-    if choice != "auto":
-        return EngineKind(choice)
-    if platform.system() == "Darwin" or importlib.util.find_spec("llama_cpp") is None:
-        return EngineKind.Mlx
-    return EngineKind.LlamaCpp
 
 
 def exo_home() -> Path:
@@ -135,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     logger.remove()
     logger.add(sys.stderr, level="DEBUG" if args.verbose else "INFO")
     logger.add(home / "logs" / "exo.log", level="DEBUG", rotation="20 MB", retention=3)
+    engine, why = choose_engine(args.engine, probe())
+    logger.info(f"engine: {engine.value} ({why})")
     config = NodeConfig(
         exo_home=home,
         api_port=args.api_port,
@@ -153,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         auto_place=args.auto_place,
         api_keys=tuple(args.api_keys),
         cluster_secret=args.cluster_secret,
-        engine=resolve_engine(args.engine),
+        engine=engine,
     )
     try:
         asyncio.run(Node(config).run())

@@ -15,7 +15,12 @@ from pathlib import Path
 
 import httpx
 
+from exo.shared.types.instances import EngineKind
+from exo.worker.hardware import choose_engine, probe
+
 TINY_MODEL_ID = "acme/tiny"
+# What a node started without --engine runs here (llama.cpp on this Linux machine).
+DEFAULT_ENGINE: EngineKind = choose_engine("auto", probe())[0]
 
 
 def free_port() -> int:

@@ -54,6 +54,7 @@ from exo.worker.download import DownloadError, download_model
 from exo.worker.download.hub import PEER_HUB_PREFIX
 from exo.worker.download.progress_log import ConsoleProgress, eta_seconds
 from exo.worker.download.verify import PARTIAL_SUFFIX
+from exo.worker.hardware import mlx_backend, probe
 from exo.worker.images import peer_api, with_image_bytes
 from exo.worker.link_probes import PROBE_TIMEOUT_SECONDS, local_interfaces, probe_peer, worth_reporting
 from exo.worker.planner import (
@@ -458,12 +459,11 @@ def gather_node_info(
     node_id: NodeId, exo_home: Path, api_port: int, engine: EngineKind = EngineKind.Mlx, sealed: bool = False
 ) -> NodeInfo:
     memory = psutil.virtual_memory()
-    is_apple_silicon = platform.system() == "Darwin" and platform.machine() == "arm64"
     return NodeInfo(
         node_id=node_id,
         friendly_name=socket.gethostname(),
         os=f"{platform.system()} {platform.machine()}",
-        backend="metal" if is_apple_silicon else "cpu",
+        backend=mlx_backend(probe()),
         engine=engine,
         sealed=sealed,
         cpu_count=psutil.cpu_count() or 1,

@@ -14,7 +14,7 @@ class NodeInfo(FrozenModel):
     node_id: NodeId
     friendly_name: str
     os: str
-    backend: str  # "cpu" or "metal": what MLX computes on
+    backend: str  # "cpu", "metal" or "cuda": what MLX computes on (worker/hardware.py)
     engine: EngineKind = EngineKind.Mlx  # what this node's runners run models with
     # Its cluster messages are sealed by a cluster secret: a split then stays off
     # llama.cpp's RPC, which the secret does not cover.
