@@ -13,8 +13,10 @@ import pytest
 
 from exo.devtools.scripted_families import FAMILY_SCRIPTS, GET_WEATHER_TOOL, SAMPLE_MESSAGES
 from exo.devtools.scripted_models import make_scripted_model
+from exo.engine.llamacpp.support import config_refusal
+from exo.shared.types.instances import EngineKind
 from tests.support.cluster import loopback_cluster, wait_converged
-from tests.support.node import ExoNode, start_node, stop_node
+from tests.support.node import DEFAULT_ENGINE, ExoNode, start_node, stop_node
 
 # Qwen3 opens a tool call and stops inside its JSON arguments.
 TRUNCATED_MODEL_ID = "scripted/qwen3-truncated"
@@ -142,6 +144,20 @@ def test_answer_has_the_family_reasoning_content_and_tool_call(node: ExoNode, fa
     assert_answer(family, (message.model_extra or {}).get("reasoning_content") or "", message.content or "", tool_calls)
     assert all(call.type == "function" for call in message.tool_calls or [])
     assert choice.finish_reason == "tool_calls"
+
+
+def test_each_family_runs_on_llama_cpp_where_it_can(node: ExoNode, scripted_models_dir: Path) -> None:
+    """The node runs llama.cpp (the default here): every family the GGUF converter covers
+    is served by it, and the others by MLX on the same node."""
+    if DEFAULT_ENGINE != EngineKind.LlamaCpp:
+        pytest.fail(f"this machine's default engine is {DEFAULT_ENGINE.value}: the test is for a llama.cpp node")
+    engines = {i["shardAssignments"]["modelId"]: i["engine"] for i in node.state()["instances"].values()}
+    expected = {
+        model_id(family): "mlx" if config_refusal(scripted_models_dir / model_id(family).replace("/", "--")) else "llamacpp"
+        for family in FAMILY_SCRIPTS
+    }
+    assert {model: engines[model] for model in expected} == expected
+    assert expected[model_id("glm4_moe")] == expected[model_id("qwen3")] == "llamacpp"
 
 
 def test_a_truncated_tool_call_is_a_clean_error_and_the_node_serves_on(node: ExoNode) -> None:

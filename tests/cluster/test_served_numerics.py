@@ -6,7 +6,9 @@ rewritten where that differs: gpt_oss, qwen3_5_moe, kimi_k25, step3p5; see
 devtools/hub_layouts.py, which also says why kimi_k25's and step3p5's references, not
 transformers classes of their own model_type, compute those models), and two real exo
 nodes on 127.0.0.1 serve it three ways at once: on one node, as a 2-node pipeline, and (where the family has a
-tensor strategy) as a 2-node tensor split over the MLX ring. Each way is its own model id
+tensor strategy) as a 2-node tensor split over the MLX ring. The nodes run the default
+engine, llama.cpp here: the families its GGUF converter covers are served by it on one
+node and as a pipeline (ggml's RPC backend), the rest by MLX. Each way is its own model id
 (a symlink to the same files), so one request per id reaches that instance. A 64-token
 prompt (past every tiny sliding window, every sparse top-k and DeepSeek V4's first
 dropped indexer entry) goes to /v1/completions as token ids, prefilled in 24-token
@@ -28,8 +30,11 @@ import pytest
 
 from exo.devtools.onboard import random_prompt, write_reference_model
 from exo.devtools.tiny_configs import TINY_CONFIGS
+from exo.engine.llamacpp.gguf_convert import supports
 from exo.shared.models.families import has_tensor_strategy
+from exo.shared.types.instances import EngineKind
 from tests.support.cluster import Cluster, loopback_cluster, wait_converged
+from tests.support.node import DEFAULT_ENGINE
 
 TOLERANCE = 1e-3
 SPLIT_TOLERANCE = 1e-4
@@ -137,6 +142,11 @@ def test_served_logprobs_match_transformers(family: str, checkpoints, cluster: C
                 range(len(layouts)),
             )
         )
+    # The nodes run llama.cpp (the default here): it serves what its converter covers, on
+    # one node and split by its RPC backend; MLX serves the rest, and every tensor split.
+    engines = [cluster[0].get(f"/instance/{instance_id}").json()["engine"] for instance_id in instance_ids]
+    on_llama_cpp = DEFAULT_ENGINE == EngineKind.LlamaCpp and supports(TINY_CONFIGS[family]) is None
+    assert engines == ["llamacpp" if on_llama_cpp and lay != TENSOR else "mlx" for lay in layouts]
     for instance_id in instance_ids:
         assert cluster[0].delete(f"/instance/{instance_id}").status_code == 200
     cluster[0].wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=60, what="instances gone")

@@ -31,6 +31,7 @@ from gguf import (
     MODEL_TENSOR,
     TENSOR_NAMES,
     GGMLQuantizationType,
+    ExpertGatingFuncType,
     GGUFWriter,
     LlamaFileType,
     RopeScalingType,
@@ -50,13 +51,14 @@ from exo.engine.llamacpp.gguf_vocab import TOKENIZER_FILES, write_vocab
 
 # Bumped whenever the converter writes different bytes for the same checkpoint, so
 # caches made by an older one are converted again.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 
 _ARCHS = {
     "llama": MODEL_ARCH.LLAMA,
     "qwen2": MODEL_ARCH.QWEN2,
     "qwen3": MODEL_ARCH.QWEN3,
     "qwen3_moe": MODEL_ARCH.QWEN3MOE,
+    "glm4_moe": MODEL_ARCH.GLM4_MOE,
 }
 _ROPE_TYPES = {None, "default", "linear", "yarn", "llama3"}
 _FLOAT_TYPES = {
@@ -133,6 +135,8 @@ def supports(config: dict) -> str | None:
             return "llama.cpp's qwen3moe always renormalizes the top-k router weights; this config does not"
         if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
             return "llama.cpp's qwen3moe wants every layer MoE"
+    if model_type == "glm4_moe" and config.get("n_group", 1) > 1 and config.get("topk_group", 1) < config["n_group"]:
+        return "llama.cpp's glm4moe routes without expert groups; this config limits them"
     return None
 
 
@@ -160,6 +164,8 @@ def _write_hparams(writer: GGUFWriter, config: dict) -> None:
         writer.add_expert_count(config["num_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config["model_type"] == "glm4_moe":
+        _write_glm4_moe(writer, config)
     if config["model_type"] == "llama":
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(_head_dim(config))
@@ -172,6 +178,19 @@ def _write_hparams(writer: GGUFWriter, config: dict) -> None:
         writer.add_rope_scaling_type(RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+
+
+def _write_glm4_moe(writer: GGUFWriter, config: dict) -> None:
+    # The MTP layers (num_nextn_predict_layers) are left out: exo does not draft with them.
+    writer.add_rope_dimension_count(int(_head_dim(config) * config.get("partial_rotary_factor", 0.5)))
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config.get("n_shared_experts", 0))
+    writer.add_leading_dense_block_count(config.get("first_k_dense_replace", 0))
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(float(config.get("routed_scaling_factor", 1.0)))
+    writer.add_expert_weights_norm(bool(config.get("norm_topk_prob", True)))
 
 
 def _llama3_rope_factors(config: dict) -> np.ndarray:
@@ -268,7 +287,9 @@ def _plan_quantized(config: dict, name: str, tensors: dict[str, Tensor], gguf_na
 
 def _plan_float(config: dict, name: str, tensor: Tensor, gguf_name: str) -> _Planned:
     fix = _row_fix(config, name)
-    if len(tensor.shape) == 1 or tensor.dtype not in _FLOAT_TYPES:
+    # A router in F32 too: ggml would round the activations to bf16 for a bf16 one, and
+    # that is enough to pick other experts.
+    if len(tensor.shape) == 1 or tensor.dtype not in _FLOAT_TYPES or gguf_name.endswith("ffn_gate_inp.weight"):
         return _Planned(
             gguf_name,
             GGMLQuantizationType.F32,
@@ -305,10 +326,20 @@ def _stack_experts(tensors: dict[str, Tensor]) -> dict[str, list[Tensor]]:
     return {name: [by_id[i] for i in sorted(by_id)] for name, by_id in groups.items()}
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _beyond_the_stack(config: dict, name: str) -> bool:
+    """A layer past num_hidden_layers: GLM's MTP layer, which the GGUF leaves out."""
+    match = _LAYER.match(name)
+    return match is not None and int(match[1]) >= config["num_hidden_layers"]
+
+
 def _plan(config: dict, tensors: dict[str, Tensor], widen: bool) -> Iterator[_Planned]:
     arch = _ARCHS[config["model_type"]]
     names = get_tensor_name_map(arch, config["num_hidden_layers"])
     tied = config.get("tie_word_embeddings", False)
+    tensors = {name: tensor for name, tensor in tensors.items() if not _beyond_the_stack(config, name)}
     for name, experts in _stack_experts(tensors).items():
         yield _plan_stacked(name, experts, _gguf_name(names, name, config))
     for name in tensors:
@@ -331,8 +362,10 @@ def _plan(config: dict, tensors: dict[str, Tensor], widen: bool) -> Iterator[_Pl
 
 
 def _gguf_name(names: TensorNameMap, name: str, config: dict) -> str:
-    # mlx-lm stacks experts as mlp.switch_mlp.*; transformers' stacked name is mlp.experts.*
-    gguf_name = names.get_name(name.replace(".mlp.switch_mlp.", ".mlp.experts."), try_suffixes=(".weight", ".bias"))
+    # mlx-lm stacks experts as mlp.switch_mlp.*; transformers' stacked name is mlp.experts.*.
+    # The router's correction bias is named as a bias for the name map.
+    name = name.replace(".mlp.switch_mlp.", ".mlp.experts.").replace("e_score_correction_bias", "e_score_correction.bias")
+    gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
     if gguf_name is None:
         raise ValueError(f"tensor {name} has no GGUF name for {config['model_type']}")
     return gguf_name
