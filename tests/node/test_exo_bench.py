@@ -5,6 +5,7 @@ exactly tg tokens each (EOS banned), a warm prompt found in the prefix cache, ea
 concurrent stream's text equal to its solo run's and to raw mlx-lm's."""
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,12 @@ def _command() -> list[str]:
         if script.exists() or shutil.which("exo-bench")
         else [sys.executable, "-m", "exo.devtools.exo_bench"]
     )
+
+
+def _rate_or_burst(rate: float) -> bool:
+    # NaN: a server streamed the few tokens of this tiny model after the first in one
+    # event, so no decode rate can be measured from the client (bench_client.py).
+    return math.isnan(rate) or rate > 0
 
 
 def test_exo_bench_sweeps_every_target_and_writes_json(tmp_path):
@@ -41,7 +48,7 @@ def test_exo_bench_sweeps_every_target_and_writes_json(tmp_path):
     for key, row in rows.items():
         assert abs(row["prompt_tokens"] - PP) <= PP // 4, (key, row["prompt_tokens"])
         assert row["completion_tokens"] == TG, key
-        assert len(row["texts"]) == key[1] and row["aggregate_tps"] > 0 and row["ttft_s"] > 0
+        assert len(row["texts"]) == key[1] and _rate_or_burst(row["aggregate_tps"]) and row["ttft_s"] > 0
         if key[1] > 1:
             assert row["identical_to_solo"] is True, key
         if key[2] == "on":
@@ -65,7 +72,7 @@ def test_exo_bench_side_by_side_on_llama_cpp_runs_raw_llama_cpp(tmp_path):
     rows = {(r["target"], r["concurrency"]): r for r in report["results"]}
     assert set(rows) == {(t, c) for t in ("llama.cpp", "exo single") for c in (1, 2)}
     for key, row in rows.items():
-        assert row["completion_tokens"] == TG and row["aggregate_tps"] > 0, key
+        assert row["completion_tokens"] == TG and _rate_or_burst(row["aggregate_tps"]), key
     for concurrency in (1, 2):
         assert rows["exo single", concurrency]["texts"] == rows["llama.cpp", concurrency]["texts"]
     whats = {entry["what"] for entry in report["ratios"]}

@@ -4,9 +4,12 @@ against any server that speaks them (an exo node, mlx_lm.server).
 A request's time to first token is from sending it to its first streamed token; its
 decode rate counts the tokens after the first over the time from the first to the last.
 A round of N concurrent requests also has an aggregate: all requests' tokens after their
-first over the time from the earliest first token to the latest last one."""
+first over the time from the earliest first token to the latest last one. A streamed
+answer whose tokens after the first came in one event has no decode rate a client can
+measure: that is NaN, printed as nan, rather than a rate of millions."""
 
 import json
+import math
 import threading
 import time
 import uuid
@@ -30,6 +33,8 @@ class Measured:
     sent_at: float = 0.0
     first_at: float = 0.0
     last_at: float = 0.0
+    # A streamed answer whose tokens after the first all came in one event.
+    burst: bool = False
 
     @property
     def ttft(self) -> float:
@@ -37,6 +42,8 @@ class Measured:
 
     @property
     def decode_tps(self) -> float:
+        if self.burst:
+            return math.nan
         return (self.tokens - 1) / max(self.last_at - self.first_at, 1e-9)
 
 
@@ -50,6 +57,8 @@ class Round:
     def aggregate_tps(self) -> float:
         decoded = sum(r.tokens - 1 for r in self.requests)
         window = max(r.last_at for r in self.requests) - min(r.first_at for r in self.requests)
+        if all(r.burst for r in self.requests):
+            return math.nan
         return decoded / max(window, 1e-9)
 
     def summary(self) -> dict[str, Any]:
@@ -90,6 +99,7 @@ def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int, banne
 def stream_chat(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Measured:
     measured = Measured(sent_at=time.perf_counter())
     pieces: list[str] = []
+    events = 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=3600) as response:
         if response.status_code != 200:
             response.read()
@@ -107,11 +117,16 @@ def stream_chat(url: str, body: dict[str, Any], headers: dict[str, str] | None =
                 measured.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             for choice in event.get("choices") or []:
                 delta = choice.get("delta") or {}
+                text = delta.get("content") or delta.get("reasoning_content") or ""
                 pieces.append(delta.get("content") or "")
+                if not text:
+                    continue  # a role-only or finishing delta is no token
+                events += 1
                 now = time.perf_counter()
                 measured.first_at = measured.first_at or now
                 measured.last_at = now
     measured.text = "".join(pieces)
+    measured.burst = measured.tokens > 2 and events < 3
     return measured
 
 

@@ -19,6 +19,7 @@ is kept. bench/README.md says what each column means."""
 import argparse
 import importlib.util
 import json
+import math
 import platform
 import tempfile
 import time
@@ -161,8 +162,12 @@ def run_target(target: Target, cells: list[Cell], args: argparse.Namespace, nonc
     return [_row(target.name, cell, runs) for cell, runs in rounds.items() if runs]
 
 
+def _or_zero(rate: float) -> float:
+    return 0.0 if math.isnan(rate) else rate
+
+
 def _row(name: str, cell: Cell, runs: list[tuple[Round, dict[str, Any]]]) -> dict[str, Any]:
-    best = max(runs, key=lambda run: run[0].aggregate_tps)[0]
+    best = max(runs, key=lambda run: _or_zero(run[0].aggregate_tps))[0]
     checks = {key: value for _, found in runs for key, value in found.items()}
     return {
         "target": name,
