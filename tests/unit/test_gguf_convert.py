@@ -1,7 +1,7 @@
 """The GGUF converter (engine/llamacpp/gguf_convert.py) gives llama.cpp the checkpoint's
 own numbers.
 
-Float: for llama, qwen2, qwen3, qwen3_moe and glm4_moe a random float32 transformers model with sharp weights
+Float: for llama, qwen2, qwen3, qwen3_moe, glm4_moe and minimax_m2 a random float32 transformers model with sharp weights
 (N(0, 0.08), devtools/onboard.py's write_reference_model) is converted to an F32 GGUF and
 loaded by llama-cpp-python; its logprobs over a 64-token prompt must equal transformers'
 full forward within 1e-4 (llama's q/k row permutation and Llama 3's rope factors
@@ -20,7 +20,7 @@ float32, its scales widened exactly): the same weights widened to F32 in the GGU
 its logprobs within 1e-4 (measured 1.6e-6); served as Q4_1 they are 4.6e-2 off, not
 within 1e-3, because llama.cpp's CPU Q4_1 matmul rounds each activation row to Q8_1
 blocks first (a kernel property, not the conversion's: the weights are exact). mlx-lm's
-qwen3_moe and glm4_moe (experts stacked as switch_mlp, the router 8-bit) widened: 1.4e-6.
+qwen3_moe, glm4_moe and minimax_m2 (experts stacked as switch_mlp) widened: 1.4e-6 to 1.8e-6.
 
 The cache: a second call converts nothing; a changed weight file converts again."""
 
@@ -83,7 +83,7 @@ def _progress_calls(model_dir: Path, cache: Path) -> tuple[Path, int]:
     return path, len(calls)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "minimax"])
 def test_float_gguf_matches_transformers(family: str, tmp_path: Path) -> None:
     import torch
 
@@ -208,20 +208,22 @@ def test_exact_q4_keeps_q4_1_where_q4_k_fits(monkeypatch: pytest.MonkeyPatch, tm
     assert kinds == {"Q4_1", "F32"}
 
 
-@pytest.mark.parametrize(("family", "moe_layer"), [("qwen3_moe", 0), ("glm4_moe", 1)])
+@pytest.mark.parametrize(("family", "moe_layer"), [("qwen3_moe", 0), ("glm4_moe", 1), ("minimax", 0)])
 def test_mlx_4bit_moe_maps_stacked_experts(family: str, moe_layer: int, tmp_path: Path) -> None:
     """mlx-lm's MoE checkpoints: experts stacked as switch_mlp (Q4_1, groups of 32), the
     router F32, exactly: qwen3_moe's 8-bit one widened, not requantized, GLM's bf16 one
-    (mlx-lm does not quantize it) widened; GLM's router correction bias and shared
-    expert, after its dense first layer."""
+    (mlx-lm does not quantize it) widened; GLM's and MiniMax's router correction bias
+    (MiniMax's experts renamed from mlx-lm's gate/down/up_proj back to w1/w2/w3), and
+    GLM's shared expert, after its dense first layer."""
     write_reference_model(tmp_path / "float", copy.deepcopy(TINY_CONFIGS[family]))
     model_dir = tmp_path / "moe-q4"
     mlx_convert(str(tmp_path / "float"), str(model_dir), quantize=True, q_bits=4, q_group_size=32, dtype="bfloat16")
     kinds = {t.name: t.tensor_type.name for t in GGUFReader(gguf_for(model_dir, tmp_path)).tensors}
     layer = f"blk.{moe_layer}"
     assert kinds[f"{layer}.ffn_gate_exps.weight"] == "Q4_1" and kinds[f"{layer}.ffn_gate_inp.weight"] == "F32"
-    if family == "glm4_moe":
-        assert kinds[f"{layer}.exp_probs_b.bias"] == "F32" and f"{layer}.ffn_gate_shexp.weight" in kinds
+    if family != "qwen3_moe":
+        assert kinds[f"{layer}.exp_probs_b.bias"] == "F32"
+    assert (f"{layer}.ffn_gate_shexp.weight" in kinds) == (family == "glm4_moe")
     widened, _ = _widened_and_q4_1(model_dir, tmp_path)  # as Q4_1 0.23 off: Q8_1 activations flip experts
     assert widened <= FLOAT_TOLERANCE
 
@@ -247,7 +249,7 @@ def test_cache_converts_once_and_again_when_weights_change(tmp_path: Path) -> No
 
 
 def test_supports_says_why_not() -> None:
-    for family in ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe"):
+    for family in ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "minimax"):
         assert supports(TINY_CONFIGS[family]) is None
     assert supports({"model_type": "qwen3_moe", "quantization": {"bits": 4, "group_size": 64}}) is None
     assert supports({**TINY_CONFIGS["llama"], "quantization": {"group_size": 64, "bits": 4}}) is None

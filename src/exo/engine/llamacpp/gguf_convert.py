@@ -59,6 +59,7 @@ _ARCHS = {
     "qwen3": MODEL_ARCH.QWEN3,
     "qwen3_moe": MODEL_ARCH.QWEN3MOE,
     "glm4_moe": MODEL_ARCH.GLM4_MOE,
+    "minimax_m2": MODEL_ARCH.MINIMAXM2,
 }
 _ROPE_TYPES = {None, "default", "linear", "yarn", "llama3"}
 _FLOAT_TYPES = {
@@ -135,6 +136,8 @@ def supports(config: dict) -> str | None:
             return "llama.cpp's qwen3moe always renormalizes the top-k router weights; this config does not"
         if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
             return "llama.cpp's qwen3moe wants every layer MoE"
+    if model_type == "minimax_m2" and config.get("scoring_func", "sigmoid") not in ("sigmoid", "softmax"):
+        return f"llama.cpp's minimax-m2 routes by sigmoid or softmax, not {config['scoring_func']}"
     if model_type == "glm4_moe" and config.get("n_group", 1) > 1 and config.get("topk_group", 1) < config["n_group"]:
         return "llama.cpp's glm4moe routes without expert groups; this config limits them"
     return None
@@ -166,6 +169,8 @@ def _write_hparams(writer: GGUFWriter, config: dict) -> None:
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if config["model_type"] == "glm4_moe":
         _write_glm4_moe(writer, config)
+    if config["model_type"] == "minimax_m2":
+        _write_minimax_m2(writer, config)
     if config["model_type"] == "llama":
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(_head_dim(config))
@@ -191,6 +196,17 @@ def _write_glm4_moe(writer: GGUFWriter, config: dict) -> None:
     writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     writer.add_expert_weights_scale(float(config.get("routed_scaling_factor", 1.0)))
     writer.add_expert_weights_norm(bool(config.get("norm_topk_prob", True)))
+
+
+def _write_minimax_m2(writer: GGUFWriter, config: dict) -> None:
+    # Every layer is MoE, its experts intermediate_size wide; rope covers rotary_dim of
+    # each head; q and k are normed over all heads at once (q_norm is heads * head_dim).
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_rope_dimension_count(config["rotary_dim"])
+    sigmoid = config.get("scoring_func", "sigmoid") == "sigmoid"
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if sigmoid else ExpertGatingFuncType.SOFTMAX)
 
 
 def _llama3_rope_factors(config: dict) -> np.ndarray:
@@ -302,7 +318,7 @@ def _plan_float(config: dict, name: str, tensor: Tensor, gguf_name: str) -> _Pla
     return _Planned(gguf_name, ggml_type, tensor.shape, itemsize * math.prod(tensor.shape), lambda: fix(tensor.raw()))
 
 
-_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(\w+_proj\.weight)$")
+_EXPERT = re.compile(r"(.*)\.experts\.(\d+)\.(\w+\.weight)$")
 
 
 def _plan_stacked(name: str, experts: list[Tensor], gguf_name: str) -> _Planned:
@@ -318,7 +334,8 @@ def _plan_stacked(name: str, experts: list[Tensor], gguf_name: str) -> _Planned:
 
 
 def _stack_experts(tensors: dict[str, Tensor]) -> dict[str, list[Tensor]]:
-    """Per-expert names (mlp.experts.E.gate_proj.weight) grouped under mlp.experts.gate_proj.weight."""
+    """Per-expert names (mlp.experts.E.gate_proj.weight, MiniMax's block_sparse_moe.experts.E.w1.weight)
+    grouped under the stacked name (mlp.experts.gate_proj.weight)."""
     groups: dict[str, dict[int, Tensor]] = {}
     for name, tensor in tensors.items():
         if match := _EXPERT.match(name):
@@ -361,10 +378,16 @@ def _plan(config: dict, tensors: dict[str, Tensor], widen: bool) -> Iterator[_Pl
         )
 
 
+# mlx-lm's names for MiniMax's stacked experts, and the checkpoint's.
+_MINIMAX_EXPERTS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
 def _gguf_name(names: TensorNameMap, name: str, config: dict) -> str:
     # mlx-lm stacks experts as mlp.switch_mlp.*; transformers' stacked name is mlp.experts.*.
     # The router's correction bias is named as a bias for the name map.
     name = name.replace(".mlp.switch_mlp.", ".mlp.experts.").replace("e_score_correction_bias", "e_score_correction.bias")
+    for mlx_name, hf_name in _MINIMAX_EXPERTS.items():
+        name = name.replace(f".block_sparse_moe.switch_mlp.{mlx_name}.", f".block_sparse_moe.experts.{hf_name}.")
     gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
     if gguf_name is None:
         raise ValueError(f"tensor {name} has no GGUF name for {config['model_type']}")
