@@ -152,12 +152,10 @@ def test_each_family_runs_on_llama_cpp_where_it_can(node: ExoNode, scripted_mode
     if DEFAULT_ENGINE != EngineKind.LlamaCpp:
         pytest.fail(f"this machine's default engine is {DEFAULT_ENGINE.value}: the test is for a llama.cpp node")
     engines = {i["shardAssignments"]["modelId"]: i["engine"] for i in node.state()["instances"].values()}
-    expected = {
-        model_id(family): "mlx" if config_refusal(scripted_models_dir / model_id(family).replace("/", "--")) else "llamacpp"
-        for family in FAMILY_SCRIPTS
-    }
+    dirs = {model_id(family): scripted_models_dir / model_id(family).replace("/", "--") for family in FAMILY_SCRIPTS}
+    expected = {model: "mlx" if config_refusal(path) else "llamacpp" for model, path in dirs.items()}
     assert {model: engines[model] for model in expected} == expected
-    assert {expected[model_id(family)] for family in ("qwen3", "glm4_moe", "minimax")} == {"llamacpp"}
+    assert {expected[model_id(family)] for family in ("qwen3", "glm4_moe", "minimax", "kimi_k2")} == {"llamacpp"}
 
 
 def test_a_truncated_tool_call_is_a_clean_error_and_the_node_serves_on(node: ExoNode) -> None:

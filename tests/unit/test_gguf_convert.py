@@ -1,11 +1,14 @@
 """The GGUF converter (engine/llamacpp/gguf_convert.py) gives llama.cpp the checkpoint's
 own numbers.
 
-Float: for llama, qwen2, qwen3, qwen3_moe, glm4_moe and minimax_m2 a random float32 transformers model with sharp weights
+Float: for llama, qwen2, qwen3, qwen3_moe, glm4_moe, minimax_m2, deepseek_v3 and
+glm4_moe_lite a random float32 transformers model with sharp weights
 (N(0, 0.08), devtools/onboard.py's write_reference_model) is converted to an F32 GGUF and
 loaded by llama-cpp-python; its logprobs over a 64-token prompt must equal transformers'
 full forward within 1e-4 (llama's q/k row permutation and Llama 3's rope factors
-included: without either llama is far off).
+included: without either llama is far off; DeepSeek V3's YaRN, expert groups and MLA
+split). mlx-lm's float layout of DeepSeek V3 (kv_b_proj split as embed_q /
+unembed_out) gives mlx-lm's logprobs within 1e-4.
 
 MLX 4-bit with rows of whole 256-blocks (a llama of width 256) becomes Q4_K, llama.cpp's
 fast 4-bit type: every code kept, each 32-weight sub-block's scale and min rounded to 6
@@ -83,7 +86,9 @@ def _progress_calls(model_dir: Path, cache: Path) -> tuple[Path, int]:
     return path, len(calls)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "minimax"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "minimax", "deepseek_v3", "glm4_moe_lite"]
+)
 def test_float_gguf_matches_transformers(family: str, tmp_path: Path) -> None:
     import torch
 
@@ -228,6 +233,22 @@ def test_mlx_4bit_moe_maps_stacked_experts(family: str, moe_layer: int, tmp_path
     assert widened <= FLOAT_TOLERANCE
 
 
+def test_mlx_layout_mla_maps_its_split_kv_b(tmp_path: Path) -> None:
+    """mlx-lm saves DeepSeek V3's kv_b_proj split per head as embed_q and unembed_out:
+    llama.cpp's k_b and v_b. A float32 mlx-lm checkpoint gives mlx-lm's logprobs."""
+    write_reference_model(tmp_path / "float", copy.deepcopy(TINY_CONFIGS["deepseek_v3"]))
+    model_dir = tmp_path / "mlx"
+    mlx_convert(str(tmp_path / "float"), str(model_dir), dtype="float32")
+    assert any("embed_q" in name for name in mx.load(str(model_dir / "model.safetensors")))
+    kinds = {t.name: t.tensor_type.name for t in GGUFReader(gguf_for(model_dir, tmp_path / "cache")).tensors}
+    assert kinds["blk.0.attn_k_b.weight"] == kinds["blk.0.attn_v_b.weight"] == "F32"
+    prompt = random_prompt(json.loads((model_dir / "config.json").read_text())["vocab_size"], PROMPT_LEN)
+    diff = float(np.abs(_llama_cpp_logprobs(gguf_for(model_dir, tmp_path / "cache"), prompt)
+                        - _mlx_lm_logprobs(model_dir, prompt)).max())  # fmt: skip
+    print(f"deepseek_v3 in mlx-lm's layout against mlx-lm: {diff:.2e}")
+    assert diff <= FLOAT_TOLERANCE
+
+
 def test_cache_converts_once_and_again_when_weights_change(tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     write_reference_model(model_dir, copy.deepcopy(TINY_CONFIGS["qwen3"]))
@@ -249,7 +270,7 @@ def test_cache_converts_once_and_again_when_weights_change(tmp_path: Path) -> No
 
 
 def test_supports_says_why_not() -> None:
-    for family in ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "minimax"):
+    for family in ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "minimax", "deepseek_v3", "glm4_moe_lite"):
         assert supports(TINY_CONFIGS[family]) is None
     assert supports({"model_type": "qwen3_moe", "quantization": {"bits": 4, "group_size": 64}}) is None
     assert supports({**TINY_CONFIGS["llama"], "quantization": {"group_size": 64, "bits": 4}}) is None
@@ -262,6 +283,7 @@ def test_supports_says_why_not() -> None:
         supports({**TINY_CONFIGS["llama"], "quantization_config": {"quant_method": "gptq"}}),
         supports({**TINY_CONFIGS["qwen3_moe"], "norm_topk_prob": False}),
         supports({**TINY_CONFIGS["glm4_moe"], "n_group": 4, "topk_group": 2}),
+        supports({**TINY_CONFIGS["deepseek_v3"], "quantization": {"group_size": 64, "bits": 4}}),
     ]
     print(reasons)
     assert all(isinstance(r, str) and r for r in reasons)

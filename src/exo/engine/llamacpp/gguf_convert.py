@@ -60,7 +60,12 @@ _ARCHS = {
     "qwen3_moe": MODEL_ARCH.QWEN3MOE,
     "glm4_moe": MODEL_ARCH.GLM4_MOE,
     "minimax_m2": MODEL_ARCH.MINIMAXM2,
+    # DeepSeek's MLA with MoE: V3, Kimi K2 and GLM-4.7-Flash are the same model to llama.cpp.
+    "deepseek_v3": MODEL_ARCH.DEEPSEEK2,
+    "kimi_k2": MODEL_ARCH.DEEPSEEK2,
+    "glm4_moe_lite": MODEL_ARCH.DEEPSEEK2,
 }
+_MLA = {"deepseek_v3", "kimi_k2", "glm4_moe_lite"}
 _ROPE_TYPES = {None, "default", "linear", "yarn", "llama3"}
 _FLOAT_TYPES = {
     "F32": GGMLQuantizationType.F32,
@@ -136,6 +141,9 @@ def supports(config: dict) -> str | None:
             return "llama.cpp's qwen3moe always renormalizes the top-k router weights; this config does not"
         if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
             return "llama.cpp's qwen3moe wants every layer MoE"
+    if model_type in _MLA and "quantization" in config:
+        # mlx-lm splits kv_b_proj into its own embed_q / unembed_out, quantized per head.
+        return "an MLX-quantized MLA checkpoint (DeepSeek V3, Kimi K2) is not converted; float ones are"
     if model_type == "minimax_m2" and config.get("scoring_func", "sigmoid") not in ("sigmoid", "softmax"):
         return f"llama.cpp's minimax-m2 routes by sigmoid or softmax, not {config['scoring_func']}"
     if model_type == "glm4_moe" and config.get("n_group", 1) > 1 and config.get("topk_group", 1) < config["n_group"]:
@@ -156,7 +164,9 @@ def _write_hparams(writer: GGUFWriter, config: dict) -> None:
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+    # MLA caches one latent per token, which llama.cpp models as a single KV head.
+    mla = config["model_type"] in _MLA
+    writer.add_head_count_kv(1 if mla else config.get("num_key_value_heads") or config["num_attention_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     writer.add_rope_freq_base(float(theta))
@@ -171,6 +181,8 @@ def _write_hparams(writer: GGUFWriter, config: dict) -> None:
         _write_glm4_moe(writer, config)
     if config["model_type"] == "minimax_m2":
         _write_minimax_m2(writer, config)
+    if mla:
+        _write_mla(writer, config)
     if config["model_type"] == "llama":
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(_head_dim(config))
@@ -183,6 +195,10 @@ def _write_hparams(writer: GGUFWriter, config: dict) -> None:
         writer.add_rope_scaling_type(RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        if "beta_fast" in scaling:
+            writer.add_rope_scaling_yarn_beta_fast(float(scaling["beta_fast"]))
+        if "beta_slow" in scaling:
+            writer.add_rope_scaling_yarn_beta_slow(float(scaling["beta_slow"]))
 
 
 def _write_glm4_moe(writer: GGUFWriter, config: dict) -> None:
@@ -207,6 +223,36 @@ def _write_minimax_m2(writer: GGUFWriter, config: dict) -> None:
     writer.add_rope_dimension_count(config["rotary_dim"])
     sigmoid = config.get("scoring_func", "sigmoid") == "sigmoid"
     writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if sigmoid else ExpertGatingFuncType.SOFTMAX)
+
+
+def _write_mla(writer: GGUFWriter, config: dict) -> None:
+    """DeepSeek's attention: keys are the latent and the rope part, values the latent;
+    the per-head sizes (the _mla keys) are for decompressing them."""
+    kv_lora, rope, nope = config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"]
+    writer.add_vocab_size(config["vocab_size"])
+    if config.get("q_lora_rank"):
+        writer.add_q_lora_rank(config["q_lora_rank"])
+    writer.add_kv_lora_rank(kv_lora)
+    writer.add_key_length(kv_lora + rope)
+    writer.add_value_length(kv_lora)
+    writer.add_key_length_mla(nope + rope)
+    writer.add_value_length_mla(config["v_head_dim"])
+    writer.add_rope_dimension_count(rope)
+    writer.add_leading_dense_block_count(config.get("first_k_dense_replace", 0))
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config.get("n_shared_experts") or 0)
+    writer.add_expert_weights_scale(float(config.get("routed_scaling_factor", 1.0)))
+    if config.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    sigmoid = config.get("scoring_func", "softmax") == "sigmoid"
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if sigmoid else ExpertGatingFuncType.SOFTMAX)
+    if (groups := config.get("n_group") or 1) > 1:
+        writer.add_expert_group_count(groups)
+        writer.add_expert_group_used_count(config["topk_group"])
+    if (mscale_all_dim := _rope_scaling(config).get("mscale_all_dim")) is not None:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * mscale_all_dim)
 
 
 def _llama3_rope_factors(config: dict) -> np.ndarray:
@@ -343,6 +389,26 @@ def _stack_experts(tensors: dict[str, Tensor]) -> dict[str, list[Tensor]]:
     return {name: [by_id[i] for i in sorted(by_id)] for name, by_id in groups.items()}
 
 
+def _plan_kv_b(config: dict, tensor: Tensor, name: str, names: TensorNameMap) -> Iterator[_Planned]:
+    """MLA's kv_b_proj as llama.cpp's two halves: k_b (per head, latent x nope, for
+    absorbing into the query) and v_b (per head, v x latent)."""
+    heads, nope, v = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    kv_lora = tensor.shape[-1]
+    ggml_type = _FLOAT_TYPES.get(tensor.dtype, GGMLQuantizationType.F32)
+    itemsize = 4 if ggml_type == GGMLQuantizationType.F32 else 2
+
+    def per_head() -> np.ndarray:
+        rows = tensor.raw() if tensor.dtype in _FLOAT_TYPES else tensor.as_float32()
+        return rows.reshape(heads, nope + v, kv_lora)
+
+    for part, shape, make in (
+        ("k_b_proj", (heads, kv_lora, nope), lambda: per_head()[:, :nope, :].transpose(0, 2, 1)),
+        ("v_b_proj", (heads, v, kv_lora), lambda: per_head()[:, nope:, :]),
+    ):
+        gguf_name = _gguf_name(names, name.replace("kv_b_proj", part), config)
+        yield _Planned(gguf_name, ggml_type, shape, itemsize * math.prod(shape), make)
+
+
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -361,6 +427,9 @@ def _plan(config: dict, tensors: dict[str, Tensor], widen: bool) -> Iterator[_Pl
         yield _plan_stacked(name, experts, _gguf_name(names, name, config))
     for name in tensors:
         if name.endswith(_SKIPPED_SUFFIXES) or (tied and name.startswith("lm_head.")) or _EXPERT.match(name):
+            continue
+        if name.endswith("kv_b_proj.weight") and config["model_type"] in _MLA:
+            yield from _plan_kv_b(config, tensors[name], name, names)
             continue
         gguf_name = _gguf_name(names, name, config)
         if name.endswith(".weight") and name.removesuffix(".weight") + ".scales" in tensors:
@@ -385,7 +454,11 @@ _MINIMAX_EXPERTS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 def _gguf_name(names: TensorNameMap, name: str, config: dict) -> str:
     # mlx-lm stacks experts as mlp.switch_mlp.*; transformers' stacked name is mlp.experts.*.
     # The router's correction bias is named as a bias for the name map.
-    name = name.replace(".mlp.switch_mlp.", ".mlp.experts.").replace("e_score_correction_bias", "e_score_correction.bias")
+    name = name.replace(".mlp.switch_mlp.", ".mlp.experts.")
+    name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    # mlx-lm's MLA halves are already llama.cpp's k_b and v_b (per head, same layout).
+    name = name.replace(".self_attn.embed_q.", ".self_attn.k_b_proj.")
+    name = name.replace(".self_attn.unembed_out.", ".self_attn.v_b_proj.")
     for mlx_name, hf_name in _MINIMAX_EXPERTS.items():
         name = name.replace(f".block_sparse_moe.switch_mlp.{mlx_name}.", f".block_sparse_moe.experts.{hf_name}.")
     gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
