@@ -61,6 +61,16 @@ def test_every_node_killed_and_restarted_gets_cards_downloads_and_instances_back
             assert [e["idx"] for e in log_after] == list(range(len(log_after)))
         # And both nodes hold the same history.
         first, second = (node.get("/events").json() for node in nodes)
+        # Each restarted worker first says its runner's old status is gone, so no rank
+        # connects or loads on the other's pre-restart "ready".
+        for runner_id in before["instances"][instance_id]["shardAssignments"]["nodeToRunner"].values():
+            statuses = [
+                e["event"]["status"]["kind"]
+                for e in first[len(logs_before[0]) :]
+                if e["event"]["kind"] == "RunnerStatusUpdated" and e["event"]["runnerId"] == runner_id
+            ]
+            first_idle = statuses.index("RunnerIdle")
+            assert first_idle > 0 and set(statuses[:first_idle]) == {"RunnerShutdown"}, statuses
         shared = min(len(first), len(second))
         assert shared > len(logs_before[0]) and first[:shared] == second[:shared]
 

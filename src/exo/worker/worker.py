@@ -48,6 +48,7 @@ from exo.shared.types.events import (
 )
 from exo.shared.types.instances import EngineKind, Instance
 from exo.shared.types.nodes import MemoryInfo, NodeInfo
+from exo.shared.types.runners import RunnerFailed, RunnerShutdown
 from exo.shared.types.state import State
 from exo.shared.types.text_generation import ChunkGenerated
 from exo.worker.download import DownloadError, download_model
@@ -233,6 +234,11 @@ class Worker:
                 old = self.supervisors.pop(runner_id, None)
                 if old is not None:
                     await old.shutdown()
+                stale = state.runners.get(runner_id)
+                if old is None and stale is not None and not isinstance(stale, RunnerFailed | RunnerShutdown):
+                    # Left by this node's previous process (a restart): the other ranks
+                    # step through connect and load on it, and must wait for the new one.
+                    self._on_runner_event(RunnerStatusUpdated(runner_id=runner_id, status=RunnerShutdown()))
                 self.exited_at.pop(runner_id, None)
                 self.forwarded[runner_id] = set()
                 self.supervisors[runner_id] = RunnerSupervisor(
