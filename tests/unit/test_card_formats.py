@@ -27,6 +27,11 @@ def test_each_quantization_names_its_gguf_type():
 
 
 def test_a_model_llama_cpp_cannot_run_says_why_it_has_no_gguf():
-    assert card_formats(card("gemma4", "4bit"))[1] == "no GGUF: GGUF conversion covers llama, qwen2, qwen3, qwen3_moe, not gemma4"
+    refusal = card_formats(card("gemma4", "4bit"))[1]
+    assert refusal.startswith("no GGUF: GGUF conversion covers llama, qwen2, qwen3, qwen3_moe, glm4_moe, minimax_m2")
+    assert refusal.endswith(", not gemma4")
+    # A 4-bit MLA card: mlx-lm's quantized split of kv_b_proj is not converted.
+    assert card_formats(card("deepseek_v3", "4bit"))[1].startswith("no GGUF: an MLX-quantized MLA checkpoint")
+    assert card_formats(card("glm4_moe", "4bit"))[1].startswith("GGUF, Q4_K")
     assert card_formats(card("llama", "3bit"))[1].startswith("no GGUF: ")
     assert card_formats(card("qwen3", "", ["text", "vision"]))[1] == "no GGUF: the llama.cpp engine takes no images"
