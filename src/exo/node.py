@@ -116,6 +116,9 @@ class Node:
             if config.run_worker
             else None
         )
+        if self.worker is not None:
+            # Reports sent while the old master was dying may be lost; repeat them.
+            self.router.on_master_heard(self.worker.report_runner_statuses)
         self.election = Election(self.node_id, self.session_id, self.router, self._on_elected, config.force_master)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -184,10 +187,7 @@ class Node:
             assert self._master_task is not None
             self._master_task.cancel()
             self.master = None
-        self.router.master_elected()
-        if self.worker is not None:
-            # Reports sent while the old master was dying may be lost; repeat them.
-            self.worker.report_runner_statuses()
+        self.router.master_elected(master_id)
 
     async def run(self) -> None:
         self.router.start()

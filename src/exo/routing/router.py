@@ -66,15 +66,33 @@ class Router:
         self._subscribers: dict[Topic, list[asyncio.Queue[Any]]] = {}
         self._origin_subscribers: dict[Topic, list[asyncio.Queue[tuple[NodeId, Any]]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Messages for the master, held until one is elected.
+        # Messages for the master, held until one is elected and heard from.
         self._held: list[tuple[Topic, Any]] | None = []
+        self._awaited_master: NodeId | None = None
+        self._on_master_heard: list[Callable[[], None]] = []
         self._unreadable_warned_at = -UNREADABLE_WARN_SECONDS
 
-    def master_elected(self) -> None:
-        """Send what was held for the master, and from now on send at once."""
-        held, self._held = self._held or [], None
+    def on_master_heard(self, listener: Callable[[], None]) -> None:
+        """Called each time held messages are released to a newly elected master."""
+        self._on_master_heard.append(listener)
+
+    def master_elected(self, master_id: NodeId) -> None:
+        """Hold messages for the master until `master_id` is heard on GLOBAL_EVENTS:
+        another node may learn of its election before that node has taken office, and
+        what it sent in between would reach nobody. This node's own master listens
+        from its start, so its messages go at once."""
+        if self._held is None:
+            self._held = []
+        self._awaited_master = master_id
+        if master_id == self.node_id:
+            self._release_held()
+
+    def _release_held(self) -> None:
+        held, self._held, self._awaited_master = self._held or [], None, None
         for topic, message in held:
             self.publish(topic, message)
+        for listener in self._on_master_heard:
+            listener()
 
     def start(self) -> None:
         """Begin receiving from other nodes; call from the running event loop."""
@@ -108,6 +126,8 @@ class Router:
             self.transport.send(topic, b'{"origin":' + json.dumps(self.node_id).encode() + b',"body":' + body + b"}")
 
     def _deliver(self, topic: Topic, message: Any, origin: NodeId) -> None:
+        if topic is Topic.GLOBAL_EVENTS and origin == self._awaited_master:
+            self._release_held()
         for queue in self._subscribers.get(topic, []):
             queue.put_nowait(message)
         for origin_queue in self._origin_subscribers.get(topic, []):
