@@ -27,9 +27,15 @@ def test_each_quantization_names_its_gguf_type():
 
 
 def test_a_model_llama_cpp_cannot_run_says_why_it_has_no_gguf():
-    refusal = card_formats(card("gemma4", "4bit"))[1]
+    refusal = card_formats(card("nemotron_h", "4bit"))[1]
     assert refusal.startswith("no GGUF: GGUF conversion covers llama, qwen2, qwen3, qwen3_moe, glm4_moe, minimax_m2")
-    assert refusal.endswith(", not gemma4")
+    assert refusal.endswith(", not nemotron_h")
+    # A family exo knows llama.cpp would serve wrong, or cannot be written here, says so.
+    assert card_formats(card("gpt_oss", ""))[1] == (
+        "no GGUF: gpt_oss is not converted: llama.cpp rounds YaRN's correction range to whole dims,"
+        " gpt-oss' reference does not"
+    )
+    assert "gguf 0.19" in card_formats(card("deepseek_v4", ""))[1]
     # A 4-bit MLA card: mlx-lm's quantized split of kv_b_proj is not converted.
     assert card_formats(card("deepseek_v3", "4bit"))[1].startswith("no GGUF: an MLX-quantized MLA checkpoint")
     assert card_formats(card("glm4_moe", "4bit"))[1].startswith("GGUF, Q4_K")

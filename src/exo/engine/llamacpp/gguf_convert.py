@@ -66,6 +66,15 @@ _ARCHS = {
     "glm4_moe_lite": MODEL_ARCH.DEEPSEEK2,
 }
 _MLA = {"deepseek_v3", "kimi_k2", "glm4_moe_lite"}
+# Families exo serves that stay on MLX, and why.
+_NOT_CONVERTED = {
+    # transformers follows the reference (rope_scaling truncate: false); in gpt-oss-20b
+    # one rotary pair turns 3% off, 0.2 rad by position 1000.
+    "gpt_oss": "llama.cpp rounds YaRN's correction range to whole dims, gpt-oss' reference does not",
+    "deepseek_v32": "llama.cpp's deepseek32 architecture is newer than the gguf writer here (gguf 0.19)",
+    "deepseek_v4": "llama.cpp's deepseek4 architecture is newer than the gguf writer here (gguf 0.19)",
+    "gemma4": "Gemma 4's conversion is not built (its published checkpoints take images, which need MLX)",
+}
 _ROPE_TYPES = {None, "default", "linear", "yarn", "llama3"}
 _FLOAT_TYPES = {
     "F32": GGMLQuantizationType.F32,
@@ -123,6 +132,8 @@ def _quantization_reason(quantization: dict) -> str | None:
 def supports(config: dict) -> str | None:
     """None when gguf_for can convert a checkpoint of this config.json, else why not."""
     model_type = config.get("model_type")
+    if model_type in _NOT_CONVERTED:
+        return f"{model_type} is not converted: {_NOT_CONVERTED[model_type]}"
     if model_type not in _ARCHS:
         return f"GGUF conversion covers {', '.join(_ARCHS)}, not {model_type}"
     if "quantization" in config:
