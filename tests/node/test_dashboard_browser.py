@@ -42,6 +42,13 @@ VLM = "acme/qwen2.5-vl-tiny"
 # What opencode talks to: a Qwen3 that thinks, then greets (no tool call: opencode runs
 # here with its tools off).
 GREETER = "scripted/qwen3-greeter"
+# get_weather with a long description (about 2000 prompt tokens): a prompt's prefill must
+# outlast the page's reads to be drawn, and on a busy machine one read can bring a short
+# prompt's progress together with its first tokens (a full run's failure).
+SLOW_PREFILL_TOOL = {
+    **GET_WEATHER_TOOL,
+    "function": {**GET_WEATHER_TOOL["function"], "description": "The current weather in a city. " * 70},
+}
 GREETER_SCRIPT = ("<think>", "\nA greeting", ".\n", "</think>", "\n\nHello", " from", " exo.")
 PAGES = ("cluster", "models", "downloads", "chat", "integrations")
 SIZES = {"desktop": (1440, 900), "phone": (390, 844)}
@@ -320,7 +327,7 @@ def test_a_streamed_chat_shows_thinking_apart_and_sends_it_back(page: Page) -> N
     page.locator("#chat-model").select_option(THINKER)
     expect(page.locator("#attach-label")).to_be_hidden()  # the model has no vision
     page.locator("#tools-box summary").click()
-    page.locator("#chat-tools").fill(json.dumps([GET_WEATHER_TOOL]))
+    page.locator("#chat-tools").fill(json.dumps([SLOW_PREFILL_TOOL]))
     page.locator("#chat-input").fill("What is the weather in Paris?")
     page.locator("#send-button").click()
     reply = page.locator(".message.assistant").last
@@ -337,7 +344,7 @@ def test_a_streamed_chat_shows_thinking_apart_and_sends_it_back(page: Page) -> N
     prefill = page.evaluate("window.prefillShown")
     assert any(re.fullmatch(r"reading the prompt: (\d+)/(\d+) tokens", line) for line in prefill), prefill
     done, total = map(int, re.findall(r"\d+", prefill[0]))
-    assert 0 < done < total, prefill
+    assert 0 < done < total and total > 1500, prefill
     states = page.evaluate("window.stopStates")
     assert states[0] is True and False in states and states[-1] is True, states
 
