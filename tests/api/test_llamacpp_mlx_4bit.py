@@ -21,7 +21,7 @@ from mlx_lm import convert as mlx_convert
 
 from exo.devtools.onboard import random_prompt, write_reference_model
 from exo.devtools.tiny_configs import TINY_CONFIGS
-from exo.engine.llamacpp.native import extra_buffer_types
+from exo.engine.llamacpp.native import extra_buffer_types, flash_attention
 from tests.support.node import running_node
 
 MODEL_ID = "mlx-community/tiny-llama-4bit"
@@ -34,7 +34,7 @@ def _direct(gguf: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
     params = llama_cpp.llama_cpp.llama_model_default_params
     llama_cpp.llama_cpp.llama_model_default_params = lambda: _as_the_engine_loads(params())
     try:
-        llm = llama_cpp.Llama(str(gguf), n_ctx=128, n_threads=2, verbose=False, logits_all=True, flash_attn=True)
+        llm = llama_cpp.Llama(str(gguf), n_ctx=128, n_threads=2, verbose=False, logits_all=True, flash_attn=flash_attention())
     finally:
         llama_cpp.llama_cpp.llama_model_default_params = params
     tokens, logprobs = list(prompt), []

@@ -52,6 +52,15 @@ def extra_buffer_types() -> bool:
     return os.environ.get("EXO_LLAMACPP_EXTRA_BUFTS", "1") != "0"
 
 
+def flash_attention() -> bool:
+    """Whether contexts use llama.cpp's flash attention: off unless
+    EXO_LLAMACPP_FLASH_ATTN=1 (llama-cpp-python's `Llama` default too). Its CPU kernel
+    made each decoded token cost more the longer the context on a 2-core Xeon VM: with
+    8-bit weights, 39 against 47 tok/s at 250 tokens, 14 against 31 at 1,800, and 8
+    streams 73 against 92 tok/s (docs/engines.md); it prefills 15-40% faster."""
+    return os.environ.get("EXO_LLAMACPP_FLASH_ATTN", "0") == "1"
+
+
 class Model:
     """A GGUF loaded, with layers optionally offloaded to other devices (RPC servers):
     llama.cpp keeps the first layers on this CPU and offloads the last `offload_layers`
@@ -119,7 +128,10 @@ class Context:
             # llama.cpp keeps keys and values in f16 by default, and its CPU flash
             # attention computes in f16: either moves a float32 model's logprobs by ~2e-3.
             params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
-            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        flash = flash_attention() and not f32_kv
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         params.no_perf = True
         context = llama_cpp.llama_init_from_model(model.ptr, params)
         if not context:
