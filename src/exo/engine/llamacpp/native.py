@@ -56,7 +56,7 @@ def flash_attention() -> bool:
     """Whether contexts use llama.cpp's flash attention: off unless
     EXO_LLAMACPP_FLASH_ATTN=1 (llama-cpp-python's `Llama` default too). Its CPU kernel
     made each decoded token cost more the longer the context on a 2-core Xeon VM: with
-    8-bit weights, 39 against 47 tok/s at 250 tokens, 14 against 31 at 1,800, and 8
+    8-bit weights, 39 against 47 tok/s at 250 tokens, 14 against 31 at 2,700, and 8
     streams 73 against 92 tok/s (docs/engines.md); it prefills 15-40% faster."""
     return os.environ.get("EXO_LLAMACPP_FLASH_ATTN", "0") == "1"
 
