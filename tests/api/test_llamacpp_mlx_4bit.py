@@ -34,7 +34,9 @@ def _direct(gguf: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
     params = llama_cpp.llama_cpp.llama_model_default_params
     llama_cpp.llama_cpp.llama_model_default_params = lambda: _as_the_engine_loads(params())
     try:
-        llm = llama_cpp.Llama(str(gguf), n_ctx=128, n_threads=2, verbose=False, logits_all=True, flash_attn=flash_attention())
+        llm = llama_cpp.Llama(
+            str(gguf), n_ctx=128, n_threads=2, verbose=False, logits_all=True, flash_attn=flash_attention()
+        )
     finally:
         llama_cpp.llama_cpp.llama_model_default_params = params
     tokens, logprobs = list(prompt), []

@@ -35,9 +35,10 @@ class StreamingDetokenizer:
         self.tokens.append(token)
         text = self._window_text()
         self._show(_settled(text))
-        if len(self.tokens) - self._prefix > _CONTEXT:
+        if len(self.tokens) - self._prefix >= 2 * _CONTEXT:
             # What is held comes from the last 3 tokens' bytes, which a window of the
-            # last _CONTEXT decodes alike.
+            # last _CONTEXT decodes alike. Sliding once every _CONTEXT tokens keeps the
+            # second decode off most tokens.
             held = len(text) - self._shown
             self._prefix = len(self.tokens) - _CONTEXT
             self._shown = len(self._window_text()) - held
