@@ -5,6 +5,7 @@ finished request's saved KV serves a later prompt sharing its start (an agent's 
 turn included) while no finished request holds KV cells."""
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -20,20 +21,25 @@ from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, TextGe
 from tests.support.node import TINY_MODEL_ID
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaCppEngine]:
-    model_dir = tiny_models_dir / TINY_MODEL_ID.replace("/", "--")
+@contextmanager
+def loaded_engine(model_dir: Path, home: Path) -> Iterator[LlamaCppEngine]:
     card = card_from_model_dir(model_dir, "test/model")
     shard = PipelineShardMetadata(
         model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers, n_layers=card.n_layers
     )
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("EXO_HOME", str(tmp_path_factory.mktemp("home")))
+        patch.setenv("EXO_HOME", str(home))
         engine = LlamaCppEngine()
         engine.load(model_dir, shard, lambda done, total: None)
         engine.warm_up()
         yield engine
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaCppEngine]:
+    with loaded_engine(tiny_models_dir / TINY_MODEL_ID.replace("/", "--"), tmp_path_factory.mktemp("home")) as loaded:
+        yield loaded
 
 
 def params(text: str, max_tokens: int, **extra) -> TextGenerationTaskParams:
@@ -182,6 +188,35 @@ def test_an_answer_ends_with_length_where_its_context_does(engine: LlamaCppEngin
     chunks = run(engine, {"long": params("the cat", 10**6, logit_bias={1: -100.0})})["long"]
     usage = chunks[-1].usage
     assert chunks[-1].finish_reason == "length" and usage is not None
-    assert usage.prompt_tokens + usage.completion_tokens == engine.context.n_ctx
+    assert usage.prompt_tokens + usage.completion_tokens == engine.max_context == engine.context.n_ctx
     with pytest.raises(ValueError, match="no room in the context"):
-        engine.submit(CommandId("huge"), params("", 4).model_copy(update={"messages": [], "prompt": [5] * engine.context.n_ctx}))
+        engine.submit(CommandId("huge"), params("", 4).model_copy(update={"messages": [], "prompt": [5] * engine.max_context}))
+
+
+def test_the_context_grows_under_running_requests(tiny_models_dir: Path, tmp_path: Path):
+    """A new engine's context is small; a request that may fill more makes it grow while
+    another decodes, whose KV moves over: its tokens and logprobs are those it gets alone."""
+    with loaded_engine(tiny_models_dir / TINY_MODEL_ID.replace("/", "--"), tmp_path) as engine:
+        assert engine.context is not None and engine.context.n_ctx == llamacpp_engine.FIRST_CONTEXT
+        short = params("the quiet moon runs over the bright cluster node", 30, logprobs=True, top_logprobs=3)
+        alone = run(engine, {"short": short})["short"]
+        assert engine.context.n_ctx == llamacpp_engine.FIRST_CONTEXT
+        engine.submit(CommandId("short"), short)
+        seen: list[ChunkGenerated] = []
+        for step in range(200):
+            if step == 10:
+                engine.submit(CommandId("long"), params("the dog", 1500))
+            seen += [chunk for chunk in engine.step() if chunk.command_id == "short"]
+            if seen and seen[-1].finish_reason is not None:
+                break
+        engine.cancel(CommandId("long"))
+        assert engine.context.n_ctx >= 1500
+        assert tokens(seen) == tokens(alone)
+        assert np.abs(np.array(logprobs(seen)) - np.array(logprobs(alone))).max() <= 1e-4
+
+
+def test_context_sizes_double_in_steps_up_to_the_ceiling():
+    assert llamacpp_engine.context_size(512, 400, 4096) == 512
+    assert llamacpp_engine.context_size(512, 600, 4096) == 1024
+    assert llamacpp_engine.context_size(512, 1500, 4096) == 1536
+    assert llamacpp_engine.context_size(2048, 9000, 4096) == 4096

@@ -11,6 +11,10 @@ and leave between steps, up to MAX_BATCH at once; later ones wait in arrival ord
 request's KV is saved when it ends (slots.py), so a later prompt sharing its start
 prefills only the rest.
 
+The context starts small and grows (a new context, the running requests' KV moved over)
+to what the running requests may fill, up to the card's context: a KV far larger than
+its use costs memory and, with values stored transposed, decode speed.
+
 A pipeline instance is split with ggml's RPC backend (rpc.py): followers serve their
 CPU, rank 0 runs everything else."""
 
@@ -53,6 +57,9 @@ from exo.shared.types.text_generation import (
 
 # KV cells of the context (all sequences together): the card's context, at most this.
 MAX_CONTEXT = int(os.environ.get("EXO_LLAMACPP_CONTEXT", "32768"))
+# KV cells a context starts with, and the step its size is rounded to when it grows.
+FIRST_CONTEXT = 512
+CONTEXT_STEP = 256
 # A finished request's KV on a split is saved only if that takes at most this many RPC
 # round trips (each ~0.1 ms on loopback, more on a LAN): a request that decoded among
 # others has its KV in as many pieces as it had steps, and a float32 KV's values are
@@ -99,6 +106,7 @@ class LlamaCppEngine:
         self.follower_layers: list[int] = []  # their layer counts, in rank order
         self.f32_kv = False
         self.kv_width = 0  # keys (and values) per token per layer
+        self.max_context = 0  # KV cells the context may grow to
         self._requests: dict[CommandId, _Request] = {}
         self._grammar_tokenizer = None
         self.shutdown_requested = False
@@ -150,12 +158,21 @@ class LlamaCppEngine:
             offload_layers=n_layers - shard.end_layer,
             split=[float(n) for n in self.follower_layers],
         )
-        context_length = min(shard.model_card.context_length or 4096, MAX_CONTEXT)
+        self.max_context = min(shard.model_card.context_length or 4096, MAX_CONTEXT)
         self.f32_kv = keeps_f32_cache(config)
         self.kv_width = _kv_width(config)
-        self.context = Context(self.model, context_length, MAX_BATCH, PREFILL_STEP + MAX_BATCH, f32_kv=self.f32_kv)
+        # A split's KV is partly on the followers: moving it to a larger context would
+        # read and write it over RPC, so a split starts at its full size.
+        first = self.max_context if self.endpoints else min(FIRST_CONTEXT, self.max_context)
+        self.context = self._new_context(first)
         self.slots = Slots(self.context, MAX_BATCH)
-        logger.info(f"llama.cpp: {gguf.name}, {self.model.n_layers} layers, context {self.context.n_ctx}")
+        logger.info(
+            f"llama.cpp: {gguf.name}, {self.model.n_layers} layers, context {self.context.n_ctx} of {self.max_context}"
+        )
+
+    def _new_context(self, n_ctx: int) -> Context:
+        assert self.model is not None
+        return Context(self.model, n_ctx, MAX_BATCH, PREFILL_STEP + MAX_BATCH, f32_kv=self.f32_kv)
 
     def warm_up(self) -> int:
         if self.rank > 0:
@@ -215,8 +232,7 @@ class LlamaCppEngine:
 
     def context_room(self, prompt: list[int]) -> int:
         """Tokens an answer to `prompt` can have before the context is full."""
-        assert self.context is not None
-        return self.context.n_ctx - len(prompt)
+        return self.max_context - len(prompt)
 
     def _sampler(self, params: TextGenerationTaskParams, grammar: str | None) -> Sampler:
         assert self.tokenizer is not None and self.model is not None
@@ -256,18 +272,25 @@ class LlamaCppEngine:
     def step(self) -> list[ChunkGenerated]:
         assert self.context is not None and self.slots is not None
         running = list(self._requests.values())[:MAX_BATCH]
+        # Before new requests take sequences: a prefix cache snapshot needs room to land.
+        wanted = sum(len(request.prompt) + request.answer.max_tokens for request in running)
+        self._grow_context(context_size(self.context.n_ctx, wanted, self.max_context), running)
         for request in running:
             if request.sequence is None:
                 request.sequence, request.cached_tokens = self.slots.take(request.prompt)
                 request.fed = request.cached_tokens
         plan = self._fill_batch(running)
+        while self.context.decode() == 1:
+            # No room in the KV cache for the running requests (llama.cpp left it as it
+            # was, and the batch refills the same): a larger context, else the newest
+            # request gives way.
+            if self.context.n_ctx >= self.max_context:
+                return [self._fail(running[-1], f"the context of {self.context.n_ctx} tokens is full")]
+            self._grow_context(context_size(self.context.n_ctx, self.context.n_ctx + 1, self.max_context), running)
+            plan = self._fill_batch(running)
         if len(plan) > 1:
             for request, _, _ in plan:
                 request.shared_steps += 1
-        if self.context.decode() == 1:
-            # No room in the KV cache for the running requests (llama.cpp left it as it
-            # was): the newest gives way.
-            return [self._fail(running[-1], f"the context of {self.context.n_ctx} tokens is full")]
         chunks: list[ChunkGenerated] = []
         for request, fed, index in plan:
             prefilled = request.prefilling
@@ -282,6 +305,22 @@ class LlamaCppEngine:
             if index is not None:
                 chunks.append(self._next_token(request, index))
         return chunks
+
+    def _grow_context(self, n_ctx: int, running: list[_Request]) -> None:
+        """A context of `n_ctx` cells in place of the current one (when larger), holding
+        the running requests' KV (saved to host memory and restored, sequence by sequence)."""
+        assert self.context is not None and self.slots is not None
+        if n_ctx <= self.context.n_ctx:
+            return
+        started = time.perf_counter()
+        held = [(r.sequence, self.context.save(r.sequence)) for r in running if r.sequence is not None and r.fed]
+        self.context.close()
+        self.context = self.slots.context = self._new_context(n_ctx)
+        for sequence, state in held:
+            if not self.context.restore(state, sequence):
+                raise RuntimeError(f"llama.cpp could not move sequence {sequence} to a context of {n_ctx} cells")
+        elapsed = time.perf_counter() - started
+        logger.info(f"llama.cpp: context grown to {n_ctx} cells ({len(held)} sequences moved, {elapsed:.2f} s)")
 
     def _fill_batch(self, running: list[_Request]) -> list[tuple[_Request, int, int | None]]:
         """Every decoding request's last token, then prompt chunks within the budget.
@@ -390,6 +429,15 @@ class LlamaCppEngine:
         if self.model is not None:
             self.model.close()
         self.context = self.model = self.slots = None
+
+
+def context_size(current: int, wanted: int, ceiling: int) -> int:
+    """The context's cells for `wanted` (current when it holds them): at least double, so
+    it grows a few times at most, in CONTEXT_STEP steps, never past `ceiling`."""
+    if wanted <= current:
+        return current
+    rounded = -(-wanted // CONTEXT_STEP) * CONTEXT_STEP
+    return min(ceiling, max(rounded, 2 * current))
 
 
 def keeps_f32_cache(config: dict) -> bool:
