@@ -190,7 +190,8 @@ def test_an_answer_ends_with_length_where_its_context_does(engine: LlamaCppEngin
     assert chunks[-1].finish_reason == "length" and usage is not None
     assert usage.prompt_tokens + usage.completion_tokens == engine.max_context == engine.context.n_ctx
     with pytest.raises(ValueError, match="no room in the context"):
-        engine.submit(CommandId("huge"), params("", 4).model_copy(update={"messages": [], "prompt": [5] * engine.max_context}))
+        huge = params("", 4).model_copy(update={"messages": [], "prompt": [5] * engine.max_context})
+        engine.submit(CommandId("huge"), huge)
 
 
 def test_the_context_grows_under_running_requests(tiny_models_dir: Path, tmp_path: Path):
@@ -220,3 +221,28 @@ def test_context_sizes_double_in_steps_up_to_the_ceiling():
     assert llamacpp_engine.context_size(512, 600, 4096) == 1024
     assert llamacpp_engine.context_size(512, 1500, 4096) == 1536
     assert llamacpp_engine.context_size(2048, 9000, 4096) == 4096
+
+
+def test_a_context_that_cannot_grow_ends_answers_where_it_is_full(
+    tiny_models_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A machine without memory for a larger context (llama.cpp refusing to make one,
+    simulated here: the only stand-in in this file) keeps the one it has: the answer
+    ends with "length" where it is full, and the next prompt is told its room."""
+    with loaded_engine(tiny_models_dir / TINY_MODEL_ID.replace("/", "--"), tmp_path) as engine:
+        first = llamacpp_engine.FIRST_CONTEXT
+        make = engine._new_context
+
+        def limited(n_ctx: int):
+            if n_ctx > first:
+                raise RuntimeError("llama.cpp could not create a context")
+            return make(n_ctx)
+
+        monkeypatch.setattr(engine, "_new_context", limited)
+        chunks = run(engine, {"long": params("the cat", 2000, logit_bias={1: -100.0})})["long"]
+        usage = chunks[-1].usage
+        assert chunks[-1].finish_reason == "length" and usage is not None
+        assert usage.prompt_tokens + usage.completion_tokens == first == engine.max_context
+        assert engine.context is not None and engine.context.n_ctx == first
+        with pytest.raises(ValueError, match="no room in the context"):
+            engine.submit(CommandId("huge"), params("", 4).model_copy(update={"messages": [], "prompt": [5] * first}))

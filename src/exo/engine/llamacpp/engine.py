@@ -314,13 +314,26 @@ class LlamaCppEngine:
             return
         started = time.perf_counter()
         held = [(r.sequence, self.context.save(r.sequence)) for r in running if r.sequence is not None and r.fed]
+        previous = self.context.n_ctx
         self.context.close()
-        self.context = self.slots.context = self._new_context(n_ctx)
+        try:
+            self.context = self._new_context(n_ctx)
+        except RuntimeError:
+            # No memory for it: the context stays as it was and becomes the ceiling;
+            # answers end ("length") where it is full, new prompts are told their room.
+            logger.warning(f"llama.cpp: no context of {n_ctx} cells here; staying at {previous}")
+            self.max_context = previous
+            self.context = self._new_context(previous)
+            for request in running:
+                answer = request.answer
+                answer.max_tokens = max(1, min(answer.max_tokens, previous - len(request.prompt)))
+        self.slots.context = self.context
         for sequence, state in held:
             if not self.context.restore(state, sequence):
                 raise RuntimeError(f"llama.cpp could not move sequence {sequence} to a context of {n_ctx} cells")
         elapsed = time.perf_counter() - started
-        logger.info(f"llama.cpp: context grown to {n_ctx} cells ({len(held)} sequences moved, {elapsed:.2f} s)")
+        moved = f"{len(held)} sequences moved in {elapsed:.2f} s"
+        logger.info(f"llama.cpp: context now {self.context.n_ctx} cells ({moved})")
 
     def _fill_batch(self, running: list[_Request]) -> list[tuple[_Request, int, int | None]]:
         """Every decoding request's last token, then prompt chunks within the budget.
