@@ -22,7 +22,8 @@ from tests.support.node import TINY_MODEL_ID
 
 
 @contextmanager
-def loaded_engine(model_dir: Path, home: Path) -> Iterator[LlamaCppEngine]:
+def loaded_engine(tiny_models_dir: Path, home: Path) -> Iterator[LlamaCppEngine]:
+    model_dir = tiny_models_dir / TINY_MODEL_ID.replace("/", "--")
     card = card_from_model_dir(model_dir, "test/model")
     shard = PipelineShardMetadata(
         model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers, n_layers=card.n_layers
@@ -38,7 +39,7 @@ def loaded_engine(model_dir: Path, home: Path) -> Iterator[LlamaCppEngine]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaCppEngine]:
-    with loaded_engine(tiny_models_dir / TINY_MODEL_ID.replace("/", "--"), tmp_path_factory.mktemp("home")) as loaded:
+    with loaded_engine(tiny_models_dir, tmp_path_factory.mktemp("home")) as loaded:
         yield loaded
 
 
@@ -197,7 +198,7 @@ def test_an_answer_ends_with_length_where_its_context_does(engine: LlamaCppEngin
 def test_the_context_grows_under_running_requests(tiny_models_dir: Path, tmp_path: Path):
     """A new engine's context is small; a request that may fill more makes it grow while
     another decodes, whose KV moves over: its tokens and logprobs are those it gets alone."""
-    with loaded_engine(tiny_models_dir / TINY_MODEL_ID.replace("/", "--"), tmp_path) as engine:
+    with loaded_engine(tiny_models_dir, tmp_path) as engine:
         assert engine.context is not None and engine.context.n_ctx == llamacpp_engine.FIRST_CONTEXT
         short = params("the quiet moon runs over the bright cluster node", 30, logprobs=True, top_logprobs=3)
         alone = run(engine, {"short": short})["short"]
@@ -229,7 +230,7 @@ def test_a_context_that_cannot_grow_ends_answers_where_it_is_full(
     """A machine without memory for a larger context (llama.cpp refusing to make one,
     simulated here: the only stand-in in this file) keeps the one it has: the answer
     ends with "length" where it is full, and the next prompt is told its room."""
-    with loaded_engine(tiny_models_dir / TINY_MODEL_ID.replace("/", "--"), tmp_path) as engine:
+    with loaded_engine(tiny_models_dir, tmp_path) as engine:
         first = llamacpp_engine.FIRST_CONTEXT
         make = engine._new_context
 

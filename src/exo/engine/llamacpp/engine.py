@@ -324,13 +324,14 @@ class LlamaCppEngine:
             logger.warning(f"llama.cpp: no context of {n_ctx} cells here; staying at {previous}")
             self.max_context = previous
             self.context = self._new_context(previous)
-            for request in running:
+            for request in self._requests.values():  # the queued ones too
                 answer = request.answer
                 answer.max_tokens = max(1, min(answer.max_tokens, previous - len(request.prompt)))
         self.slots.context = self.context
         for sequence, state in held:
             if not self.context.restore(state, sequence):
-                raise RuntimeError(f"llama.cpp could not move sequence {sequence} to a context of {n_ctx} cells")
+                cells = self.context.n_ctx
+                raise RuntimeError(f"llama.cpp could not move sequence {sequence} to a context of {cells} cells")
         elapsed = time.perf_counter() - started
         moved = f"{len(held)} sequences moved in {elapsed:.2f} s"
         logger.info(f"llama.cpp: context now {self.context.n_ctx} cells ({moved})")
