@@ -21,7 +21,8 @@ fi
 # The llama.cpp engine on Linux, built from source once (about 10 minutes on 2 cores) with
 # ggml's RPC backend (splits across nodes) and kept as a wheel in a cache named by the
 # build flags, so a fresh clone on the same machine installs it in seconds. On x86 the
-# build is native minus AMX: some VMs list AMX but fault on its tile instructions.
+# build is native minus AMX: ggml's AMX matmul segfaults on a Sapphire Rapids VM whose
+# AMX itself works (llama.cpp issue 20824; docs/engines.md).
 LLAMA_CPP_VERSION=0.3.36
 install_llama_cpp() {
   local flags="-DGGML_RPC=ON"

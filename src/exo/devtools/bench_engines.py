@@ -191,8 +191,9 @@ class Timing:
 
 def _without_extra_buffers() -> None:
     """llama.cpp's models load without its extra CPU buffer types (the AMX and repacked
-    layouts): this -march=native build puts quantized weights in the AMX buffer and the
-    sandbox faults on AMX tile instructions although the CPU lists them."""
+    layouts): a -march=native build, as a plain `pip install llama-cpp-python` makes,
+    puts quantized weights in the AMX buffer, whose matmul segfaulted on a Sapphire
+    Rapids VM (llama.cpp issue 20824)."""
     import llama_cpp.llama_cpp as low
 
     default = low.llama_model_default_params

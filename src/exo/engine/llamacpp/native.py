@@ -46,9 +46,10 @@ def init_backend() -> None:
 def extra_buffer_types() -> bool:
     """Whether models load into llama.cpp's extra CPU buffer types (its repacked Q4_0 /
     IQ4_NL / Q8_0 layouts for AVX2 and AVX-512, and AMX where the build has it): on
-    unless EXO_LLAMACPP_EXTRA_BUFTS=0. scripts/setup.sh builds without AMX, whose tile
-    instructions fault in a VM or sandbox that lists them (a -march=native build put
-    quantized weights in the AMX buffer); =0 is the way out for such a build."""
+    unless EXO_LLAMACPP_EXTRA_BUFTS=0. scripts/setup.sh builds without AMX: a
+    -march=native build puts quantized weights in ggml's AMX buffer, whose matmul
+    segfaulted on a Sapphire Rapids VM (llama.cpp issue 20824); =0 is the way out for
+    such a build."""
     return os.environ.get("EXO_LLAMACPP_EXTRA_BUFTS", "1") != "0"
 
 
