@@ -159,7 +159,11 @@ class Context:
         """The logits of the batch's `index`-th token (one that asked for them): a view
         of llama.cpp's buffer, valid until the next decode."""
         pointer = llama_cpp.llama_get_logits_ith(self.ptr, index)
-        return np.frombuffer(self._logits_row.from_address(ctypes.addressof(pointer.contents)), dtype=np.float32)
+        address = ctypes.cast(pointer, ctypes.c_void_p).value
+        if not address:
+            raise RuntimeError(f"llama.cpp has no logits for batch row {index}")
+        row: Any = self._logits_row.from_address(address)
+        return np.frombuffer(row, dtype=np.float32)
 
     def remove(self, sequence: int, start: int = -1, end: int = -1) -> None:
         """Forget positions [start, end) of a sequence (-1: from the start / to the end)."""
