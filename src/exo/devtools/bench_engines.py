@@ -10,10 +10,11 @@ bit, Q8_0 requantized: engine/llamacpp/gguf_convert.py) and llama.cpp's own Q8_0
 from the BF16 GGUF). Then each engine runs in a subprocess of its own, `--rounds` times
 alternating: load, prefill `--prompt` random tokens, decode `--decode` tokens after them
 (fed, not sampled, so every engine does the same work), reporting load time, prefill and
-decode tokens/s and the process's peak RSS; the best round counts. The machine's memory
-bandwidth is a `--threads`-thread f32 matvec in torch (also a plain sum, which reads
-faster), and each decode is also given as bytes of weights read per second (the token
-embedding left out: a step reads one row of it) over each.
+decode tokens/s and the process's peak RSS; the best round counts, and the decode
+ratios at the same bits also compare the median rounds. The machine's memory bandwidth
+is a `--threads`-thread f32 matvec in torch (also a plain sum, which reads faster), and
+each decode is also given as bytes of weights read per second (the token embedding left
+out: a step reads one row of it) over each.
 
 The engines: llama.cpp through llama-cpp-python (`--threads` threads; without its extra
 buffer types unless EXO_BENCH_EXTRA_BUFTS=1, see _without_extra_buffers), MLX through
@@ -361,6 +362,12 @@ def _rounds(variants: list[Variant], rounds: int, run: Callable[[Variant], dict]
             yield variant, run(variant)
 
 
+def _median(results: list[dict], key: str) -> float | None:
+    """The middle round's value: beside the best round, what a lucky round cannot move."""
+    values = [r[key] for r in results if "error" not in r]
+    return float(np.median(values)) if values else None
+
+
 def _best(results: list[dict]) -> dict:
     good = [r for r in results if "error" not in r]
     if not good:
@@ -443,7 +450,9 @@ def main() -> None:
               f"{best['peak_rss_mb']:.0f} |")  # fmt: skip
     for ours, theirs in SAME_BITS.items():
         if ours in rates and theirs in rates:
-            print(f"{ours} / {theirs}: decode {rates[ours][1] / rates[theirs][1]:.2f}x, "
+            ours_s, theirs_s = _median(results[ours], "decode_s"), _median(results[theirs], "decode_s")
+            median = f" (median rounds {theirs_s / ours_s:.2f}x)" if ours_s and theirs_s else ""
+            print(f"{ours} / {theirs}: decode {rates[ours][1] / rates[theirs][1]:.2f}x{median}, "
                   f"prefill {rates[ours][0] / rates[theirs][0]:.2f}x")  # fmt: skip
 
 
