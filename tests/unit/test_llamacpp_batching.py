@@ -247,3 +247,21 @@ def test_a_context_that_cannot_grow_ends_answers_where_it_is_full(
         assert engine.context is not None and engine.context.n_ctx == first
         with pytest.raises(ValueError, match="no room in the context"):
             engine.submit(CommandId("huge"), params("", 4).model_copy(update={"messages": [], "prompt": [5] * first}))
+
+
+def test_a_logits_row_is_read_where_it_was_asked_and_refused_where_not(engine: LlamaCppEngine):
+    """The engine views llama.cpp's logits in place: the row of a token that asked for
+    them holds the vocabulary's scores; one that did not raises, not a read of address 0."""
+    context = engine.context
+    assert context is not None and engine.model is not None
+    context.batch.clear()
+    last = context.batch.add([5, 6, 7], 0, llamacpp_engine.MAX_BATCH - 1, True)
+    try:
+        assert context.decode() == 0
+        row = context.logits(last)
+        assert row.shape == (engine.model.n_vocab,) and np.isfinite(row).all() and row.std() > 0
+        assert np.array_equal(row, context.logits(last))
+        with pytest.raises(RuntimeError, match="no logits for batch row 0"):
+            context.logits(0)
+    finally:
+        context.remove(llamacpp_engine.MAX_BATCH - 1)
