@@ -17,7 +17,7 @@ import pytest
 from exo.catalog.cards import card_from_model_dir
 from exo.devtools.bench_targets import free_port
 from exo.engine.llamacpp.engine import LlamaCppEngine
-from exo.engine.llamacpp.cores import SHARED_MACHINE_SPINS, ranks_on_this_machine, share_cores
+from exo.engine.llamacpp.cores import IDLE_SPINS, share_cores
 from exo.shared.types.shards import PipelineShardMetadata
 from tests.support.node import TINY_MODEL_ID
 from tests.unit.test_llamacpp_batching import params, run, tokens
@@ -68,13 +68,10 @@ def test_a_lone_request_is_cached_and_a_batched_one_is_not(split_engine: LlamaCp
     assert tokens(together["s1"]) == tokens(solo)
 
 
-def test_ranks_on_one_machine_let_each_other_have_the_cores(monkeypatch: pytest.MonkeyPatch):
-    same_host = ["127.0.0.1:5000", "127.0.0.1:5001"]
-    two_hosts = ["10.0.0.1:5000", "10.0.0.2:5000"]
-    assert ranks_on_this_machine(same_host, 1) == 2
-    assert ranks_on_this_machine(two_hosts, 0) == 1
+def test_runners_let_each_other_have_the_cores_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    share_cores(two_hosts, 0)
-    assert "GOMP_SPINCOUNT" not in os.environ
-    share_cores(same_host, 1)
-    assert os.environ["GOMP_SPINCOUNT"] == SHARED_MACHINE_SPINS
+    share_cores()
+    assert os.environ["GOMP_SPINCOUNT"] == IDLE_SPINS
+    monkeypatch.setenv("GOMP_SPINCOUNT", "123")
+    share_cores()
+    assert os.environ["GOMP_SPINCOUNT"] == "123"

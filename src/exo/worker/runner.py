@@ -237,10 +237,10 @@ def _mlx_engine() -> Engine:
     return MlxEngine()
 
 
-def _llamacpp_engine(instance: Instance, runner_id: RunnerId) -> Engine:
+def _llamacpp_engine() -> Engine:
     from exo.engine.llamacpp.cores import share_cores
 
-    share_cores(instance.hosts, instance.shard_assignments.runner_to_shard[runner_id].device_rank)
+    share_cores()
     from exo.engine.llamacpp.engine import LlamaCppEngine
 
     return LlamaCppEngine()
@@ -271,7 +271,7 @@ def runner_main(conn: Connection, runner_id: RunnerId, instance: Instance, verbo
     # imports whenever it is installed) out: ~3 s of CPU per runner start.
     sys.modules.setdefault("torch", None)  # type: ignore[assignment]
     if instance.engine == EngineKind.LlamaCpp:
-        runner = Runner(conn, runner_id, instance, _llamacpp_engine(instance, runner_id), _mlx_if_llamacpp_refuses)
+        runner = Runner(conn, runner_id, instance, _llamacpp_engine(), _mlx_if_llamacpp_refuses)
     else:
         runner = Runner(conn, runner_id, instance, _mlx_engine())
     try:

@@ -1,18 +1,18 @@
-"""How many threads llama.cpp runs, and how ranks of one instance on one machine share
-its cores. No llama_cpp import here: the spin setting must be in the environment before
+"""How many threads llama.cpp runs, and how its runners share a machine's cores. No llama_cpp import here: the spin setting must be in the environment before
 libgomp (which ggml's CPU backend links) loads, so the runner applies it first."""
 
 import os
 
 import psutil
 
-# OpenMP's spins before an idle thread sleeps, for ranks sharing a machine. libgomp's
-# default (300,000) kept an idle rank's threads on the cores the working rank's barriers
-# waited for: two ranks with 2 threads each on this 2-core VM decoded a pipeline at a
-# quarter of one node's rate. With 10,000 the pair decoded at 0.92x one node (27.5 vs
-# 30.0 tok/s, a 1024x16 float32 llama); with 1,000 at 0.77x, and with 1 thread per rank
-# at 0.59x.
-SHARED_MACHINE_SPINS = "10000"
+# OpenMP's spins before a waiting llama.cpp thread sleeps (ggml's barriers between ops are
+# OpenMP barriers). libgomp's default, 300,000, keeps a waiting thread on a core another
+# runner's thread needs. On this 2-core VM, two instances on one machine decoding at once
+# (exo API, 2 threads each) made 1.2-4.8 tok/s each with the default, 9.0 with 10,000
+# and 21-23 with 1,000; one instance alone made the same with 10,000 as with the default
+# (41-45 tok/s) but 12% less with 1,000. A 2-rank split on one machine decoded at 0.25x
+# one node with the default and 0.92x with 10,000.
+IDLE_SPINS = "10000"
 
 
 def threads() -> int:
@@ -23,17 +23,8 @@ def threads() -> int:
     return configured or psutil.cpu_count(logical=False) or max((os.cpu_count() or 2) // 2, 1)
 
 
-def ranks_on_this_machine(hosts: list[str], rank: int) -> int:
-    """How many ranks of an instance share this rank's address, and so its cores."""
-    if not hosts:
-        return 1
-    address = hosts[rank].rsplit(":", 1)[0]
-    return sum(1 for host in hosts if host.rsplit(":", 1)[0] == address)
-
-
-def share_cores(hosts: list[str], rank: int) -> None:
-    """Before llama.cpp loads: with other ranks of the instance on this machine, idle
-    threads stop spinning soon (the ranks take turns: a pipeline's rank works while the
-    others wait). A GOMP_SPINCOUNT already set is kept."""
-    if ranks_on_this_machine(hosts, rank) > 1:
-        os.environ.setdefault("GOMP_SPINCOUNT", SHARED_MACHINE_SPINS)
+def share_cores() -> None:
+    """Before llama.cpp loads: waiting threads sleep soon instead of spinning, so other
+    runners on the machine (another instance, another rank of a split) get the cores. A
+    GOMP_SPINCOUNT already set is kept."""
+    os.environ.setdefault("GOMP_SPINCOUNT", IDLE_SPINS)
