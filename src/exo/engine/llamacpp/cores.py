@@ -1,4 +1,5 @@
-"""How many threads llama.cpp runs, and how its runners share a machine's cores. No llama_cpp import here: the spin setting must be in the environment before
+"""How many threads llama.cpp runs, and how its runners share a machine's cores. No
+llama_cpp import here: the spin setting must be in the environment before
 libgomp (which ggml's CPU backend links) loads, so the runner applies it first."""
 
 import os
