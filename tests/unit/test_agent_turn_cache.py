@@ -13,13 +13,11 @@ test the tokenizer, not the cache. Runs the real engine in this process (no node
 import pytest
 
 from exo.devtools.tiny_models import make_tiny
-from exo.engine.mlx import engine as engine_module
 from exo.engine.mlx.chat_template import encode_prompt
 from exo.engine.mlx.engine import MlxEngine
-from exo.engine.mlx.prefix_cache import PrefixCache
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
-from tests.support.engine import load_engine
+from tests.support.engine import load_engine, set_step_tokens
 
 SYSTEM = "You are a terse assistant for a cluster of home computers. " * 3
 QUESTION = "cluster node model token the cat runs over the quiet moon " * 6 + "what sleeps?"
@@ -40,8 +38,8 @@ def _turn(engine: MlxEngine, params: TextGenerationTaskParams) -> tuple[list[int
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v4", "gemma4", "qwen3_next"])
 def test_second_agent_turn_prefills_only_the_new_message(arch, tmp_path, monkeypatch):
-    monkeypatch.setattr(engine_module, "PREFILL_STEP", 32)
     engine = load_engine(make_tiny(tmp_path / arch, arch))
+    set_step_tokens(monkeypatch, engine, 32)
     messages = [ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content=QUESTION)]
     first = TextGenerationTaskParams(model=ModelId("test/model"), messages=messages)
     first_tokens = encode_prompt(engine.tokenizer, first, engine.model_type, engine.reasoning_dialect)[0]
@@ -56,7 +54,7 @@ def test_second_agent_turn_prefills_only_the_new_message(arch, tmp_path, monkeyp
     assert second_prompt > turn_one
     assert cached >= 0.95 * turn_one, (cached, turn_one)
 
-    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    engine.scheduler.prefix_cache.clear()
     cold, _, cached_cold = _turn(engine, second)
     assert cached_cold == 0
     assert warm == cold

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from exo.devtools.tiny_models import make_tiny_llama
+from exo.engine import limits
 from exo.engine.mlx import engine as engine_module
 from exo.engine.mlx.engine import MlxEngine
-from exo.engine.mlx.prefix_cache import PrefixCache
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, TextGenerationTaskParams
-from tests.support.engine import load_engine
+from tests.support.engine import load_engine, set_step_tokens
 
 TOLERANCE = 1e-4
 WORDS = "cluster node model token the cat runs over the quiet moon "
@@ -67,8 +67,8 @@ def engine(tmp_path_factory) -> MlxEngine:
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch, engine):
-    monkeypatch.setattr(engine_module, "PREFILL_STEP", 16)
-    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    set_step_tokens(monkeypatch, engine, 16)
+    engine.scheduler.prefix_cache.clear()
 
 
 def _collect(chunks: list[ChunkGenerated], out: dict) -> None:
@@ -87,7 +87,7 @@ def _record() -> dict:
 
 
 def _alone(engine: MlxEngine, name: str) -> dict:
-    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    engine.scheduler.prefix_cache.clear()
     out = _record()
     engine.submit(CommandId(name), REQUESTS[name])
     while engine.has_work:
@@ -113,7 +113,7 @@ def test_alone_in_the_batch_answers_as_mlx_lms_generate_step(engine, monkeypatch
 
 def test_concurrent_greedy_requests_answer_as_alone_in_one_forward_per_step(engine, monkeypatch):
     alone = {name: _alone(engine, name) for name in REQUESTS}
-    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    engine.scheduler.prefix_cache.clear()
     counting = _CountingModel(engine.model)
     monkeypatch.setattr(engine, "model", counting)
     out = _record()
@@ -142,7 +142,7 @@ def test_concurrent_greedy_requests_answer_as_alone_in_one_forward_per_step(engi
 
 def test_a_cancelled_member_leaves_and_the_others_answer_as_alone(engine):
     alone = {name: _alone(engine, name) for name in ("short", "middle")}
-    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    engine.scheduler.prefix_cache.clear()
     out = _record()
     for name in ("short", "long", "middle"):
         engine.submit(CommandId(name), REQUESTS[name])
@@ -162,8 +162,8 @@ def test_a_cancelled_member_leaves_and_the_others_answer_as_alone(engine):
 
 def test_requests_beyond_the_admission_limit_wait_their_turn(engine, monkeypatch):
     alone = {name: _alone(engine, name) for name in REQUESTS}
-    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
-    monkeypatch.setattr(engine_module, "MAX_BATCH", 2)
+    engine.scheduler.prefix_cache.clear()
+    monkeypatch.setattr(limits, "MAX_BATCH", 2)
     out = _record()
     for name in REQUESTS:
         engine.submit(CommandId(name), REQUESTS[name])
@@ -181,7 +181,7 @@ def test_requests_beyond_the_admission_limit_wait_their_turn(engine, monkeypatch
 
 
 def test_short_prompts_arriving_together_prefill_in_one_step_within_the_budget(engine, monkeypatch):
-    monkeypatch.setattr(engine_module, "PREFILL_STEP", 64)
+    set_step_tokens(monkeypatch, engine, 64)
     names = ["a", "b", "c"]
     for name in names:
         engine.submit(CommandId(name), _params(1, 4))
@@ -197,7 +197,7 @@ def test_short_prompts_arriving_together_prefill_in_one_step_within_the_budget(e
     while engine.has_work:
         engine.step()
     # A long prompt takes at most 64 prompt tokens a step (none from the prefix cache).
-    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    engine.scheduler.prefix_cache.clear()
     engine.submit(CommandId("long"), _params(12, 2))
     done = 0
     while engine.has_work:

@@ -13,11 +13,13 @@ import pytest
 
 import exo.engine.llamacpp.engine as llamacpp_engine
 from exo.catalog.cards import card_from_model_dir
+from exo.engine import limits
 from exo.engine.encoding.chat_prompt import encode_prompt
 from exo.engine.llamacpp.engine import LlamaCppEngine
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, TextGenerationTaskParams
+from tests.support.engine import set_step_tokens
 from tests.support.node import TINY_MODEL_ID
 
 
@@ -116,7 +118,7 @@ def test_a_cancelled_request_leaves_and_the_others_are_unchanged(engine: LlamaCp
 
 
 def test_admission_stops_at_max_batch(engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(llamacpp_engine, "MAX_BATCH", 2)
+    monkeypatch.setattr(limits, "MAX_BATCH", 2)
     for i in range(4):
         engine.submit(CommandId(f"r{i}"), params(f"the node {i}", 5))
     assert engine.request_counts == (2, 2)
@@ -130,7 +132,7 @@ def test_admission_stops_at_max_batch(engine: LlamaCppEngine, monkeypatch: pytes
 
 
 def test_prompts_prefill_in_chunks_of_the_budget(engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(llamacpp_engine, "PREFILL_STEP", 16)
+    set_step_tokens(monkeypatch, engine, 16)
     request = params("the bright cluster node runs over the quiet moon " * 5, 2)
     chunks = run(engine, {"long": request})["long"]
     progress = [chunk.prefill.processed_tokens for chunk in chunks if chunk.prefill is not None]
@@ -165,8 +167,8 @@ def test_an_agents_next_turn_prefills_only_its_new_message(engine: LlamaCppEngin
     assert usage1 is not None and usage2 is not None and usage1.prompt_tokens == len(first_prompt)
     covered = usage2.cached_tokens / (usage1.prompt_tokens + usage1.completion_tokens)
     assert covered >= 0.95, (usage2.cached_tokens, usage1.prompt_tokens, usage1.completion_tokens)
-    assert engine.slots is not None
-    engine.slots.clear()
+    assert engine.scheduler is not None
+    engine.scheduler.prefix_cache.clear()
     cold = run(engine, {"cold": turn2})["cold"]
     assert cold[-1].usage is not None and cold[-1].usage.cached_tokens == 0
     assert tokens(warm) == tokens(cold)
@@ -178,10 +180,10 @@ def test_finished_requests_hold_no_kv_cells(engine: LlamaCppEngine):
     import llama_cpp
 
     run(engine, {name: params(f"the node {name} sleeps", 6) for name in ("a", "b", "c")})
-    assert engine.slots is not None and engine.context is not None
-    assert len(engine.slots.snapshots) >= 3
+    assert engine.scheduler is not None and engine.context is not None
+    assert len(engine.scheduler.prefix_cache) >= 3
     memory = engine.context.memory
-    assert [llama_cpp.llama_memory_seq_pos_max(memory, s) for s in range(llamacpp_engine.MAX_BATCH)] == [-1] * 8
+    assert [llama_cpp.llama_memory_seq_pos_max(memory, s) for s in range(limits.MAX_BATCH)] == [-1] * 8
 
 
 def test_an_answer_ends_with_length_where_its_context_does(engine: LlamaCppEngine):
@@ -190,7 +192,7 @@ def test_an_answer_ends_with_length_where_its_context_does(engine: LlamaCppEngin
     usage = chunks[-1].usage
     assert chunks[-1].finish_reason == "length" and usage is not None
     assert usage.prompt_tokens + usage.completion_tokens == engine.max_context == engine.context.n_ctx
-    with pytest.raises(ValueError, match="no room in the context"):
+    with pytest.raises(ValueError, match="do not fit"):
         huge = params("", 4).model_copy(update={"messages": [], "prompt": [5] * engine.max_context})
         engine.submit(CommandId("huge"), huge)
 
@@ -245,7 +247,7 @@ def test_a_context_that_cannot_grow_ends_answers_where_it_is_full(
         assert chunks[-1].finish_reason == "length" and usage is not None
         assert usage.prompt_tokens + usage.completion_tokens == first == engine.max_context
         assert engine.context is not None and engine.context.n_ctx == first
-        with pytest.raises(ValueError, match="no room in the context"):
+        with pytest.raises(ValueError, match="do not fit"):
             engine.submit(CommandId("huge"), params("", 4).model_copy(update={"messages": [], "prompt": [5] * first}))
 
 
@@ -255,7 +257,7 @@ def test_a_logits_row_is_read_where_it_was_asked_and_refused_where_not(engine: L
     context = engine.context
     assert context is not None and engine.model is not None
     context.batch.clear()
-    last = context.batch.add([5, 6, 7], 0, llamacpp_engine.MAX_BATCH - 1, True)
+    last = context.batch.add([5, 6, 7], 0, limits.MAX_BATCH - 1, True)
     try:
         assert context.decode() == 0
         row = context.logits(last)
@@ -264,4 +266,4 @@ def test_a_logits_row_is_read_where_it_was_asked_and_refused_where_not(engine: L
         with pytest.raises(RuntimeError, match="no logits for batch row 0"):
             context.logits(0)
     finally:
-        context.remove(llamacpp_engine.MAX_BATCH - 1)
+        context.remove(limits.MAX_BATCH - 1)

@@ -16,8 +16,8 @@ import pytest
 
 from exo.catalog.cards import card_from_model_dir
 from exo.devtools.bench_targets import free_port
-from exo.engine.llamacpp.engine import LlamaCppEngine
 from exo.engine.llamacpp.cores import IDLE_SPINS, share_cores
+from exo.engine.llamacpp.engine import LlamaCppEngine
 from exo.shared.types.shards import PipelineShardMetadata
 from tests.support.node import TINY_MODEL_ID
 from tests.unit.test_llamacpp_batching import params, run, tokens
@@ -53,17 +53,18 @@ def split_engine(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def test_a_lone_request_is_cached_and_a_batched_one_is_not(split_engine: LlamaCppEngine):
-    assert split_engine.slots is not None and split_engine.model is not None
+    cache = split_engine.scheduler.prefix_cache if split_engine.scheduler is not None else None
+    assert cache is not None and split_engine.model is not None
     alone = run(split_engine, {"a": params("the moon sleeps over the slow cluster", 6)})["a"]
-    assert len(split_engine.slots.snapshots) == 1
+    assert len(cache) == 1
     again = run(split_engine, {"b": params("the moon sleeps over the slow cluster", 6)})["b"]
     assert again[-1].usage is not None and again[-1].usage.cached_tokens == again[-1].usage.prompt_tokens - 1
     assert tokens(again) == tokens(alone)
 
-    split_engine.slots.clear()
+    cache.clear()
     together = run(split_engine, {f"s{i}": params(f"the node {i} runs over the bright cluster", 24) for i in range(3)})
     # Each decoded ~24 steps beside the others: its KV is in as many pieces.
-    assert split_engine.slots.snapshots == []
+    assert len(cache) == 0
     solo = run(split_engine, {"s1": params("the node 1 runs over the bright cluster", 24)})["s1"]
     assert tokens(together["s1"]) == tokens(solo)
 

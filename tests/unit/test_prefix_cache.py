@@ -8,25 +8,19 @@ cannot be trimmed once the prompt is past their window (16 tokens; the prompt is
 there the warm answer's log-probabilities, top 20 per token, equal a cold run's
 within 1e-4, for an extended prompt and for the same prompt again. And the cache's
 bookkeeping on its own: a long prompt's boundary snapshots thinned to one per octave of
-length, and eviction when the machine's free memory falls under the reserve."""
+length, and least recently used entries giving way to a budget of tokens."""
 
-from types import SimpleNamespace
-
-import mlx.core as mx
 import numpy as np
-import psutil
 import pytest
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import make_tiny
-from exo.engine.mlx import engine as engine_module
-from exo.engine.limits import PREFIX_CACHE_RESERVE_BYTES
 from exo.engine.mlx.engine import MlxEngine
-from exo.engine.mlx.prefix_cache import PrefixCache
+from exo.engine.prefix_cache import PrefixCache, SavedKV
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
-from tests.support.engine import load_engine
+from tests.support.engine import load_engine, set_step_tokens
 
 PREFIX = "cluster node model token the cat runs over the quiet moon " * 12
 TOP = 20
@@ -58,14 +52,14 @@ def _answer(engine: MlxEngine, question: str) -> tuple[list[int], np.ndarray, in
 
 
 def _cold(engine: MlxEngine, question: str) -> tuple[list[int], np.ndarray, int]:
-    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    engine.scheduler.prefix_cache.clear()
     return _answer(engine, question)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v4", "llama"])
 def test_shared_prefix_is_reused_and_answers_like_a_cold_run(arch, tmp_path, monkeypatch):
-    monkeypatch.setattr(engine_module, "PREFILL_STEP", 16)
     engine = load_engine(make_tiny(tmp_path / arch, arch))
+    set_step_tokens(monkeypatch, engine, 16)
     _, _, cached_first = _answer(engine, "what sleeps?")
     warm, _, cached_second = _answer(engine, "what runs fast?")
     assert cached_first == 0
@@ -84,15 +78,14 @@ def gemma4(request, tmp_path_factory) -> tuple[str, MlxEngine]:
 
 @pytest.mark.parametrize("second", ["what runs fast?", "what sleeps?"], ids=["extended", "repeated"])
 def test_gemma4_prefix_is_reused_past_the_sliding_window(gemma4, second, monkeypatch):
-    monkeypatch.setattr(engine_module, "PREFILL_STEP", 16)
     name, engine = gemma4
+    set_step_tokens(monkeypatch, engine, 16)
     config = TINY_CONFIGS[name]
     text_config = config.get("text_config", config)
-    assert isinstance(engine.prefix_cache, PrefixCache)
-    cache_kinds = {type(c) for c in engine.prefix_cache.fetch([])[0]}
+    cache_kinds = {type(c) for c in make_prompt_cache(engine.model)}
     assert RotatingKVCache in cache_kinds and len(cache_kinds) == 2  # sliding and full layers
 
-    engine.prefix_cache = PrefixCache(engine.model, engine.model_type)
+    engine.scheduler.prefix_cache.clear()
     _, _, cached_first = _answer(engine, "what sleeps?")
     warm, warm_logprobs, cached_second = _answer(engine, second)
     assert cached_first == 0
@@ -109,35 +102,33 @@ def test_gemma4_prefix_is_reused_past_the_sliding_window(gemma4, second, monkeyp
     assert warm == cold
 
 
-def _state(nbytes: int) -> list[ArraysCache]:
-    """A cache that cannot be trimmed (an SSM layer's state) of `nbytes` bytes."""
-    layer = ArraysCache(1)
-    layer[0] = mx.zeros((nbytes // 4,), dtype=mx.float32)
-    return [layer]
+def _saved(length: int, trimmable: bool = False) -> SavedKV:
+    """An entry's saved KV: what it holds is the backend's, the cache sees tokens."""
+    return SavedKV(snapshot=None, length=length, nbytes=64, trimmable=trimmable)
 
 
 def test_a_long_prompt_keeps_one_boundary_snapshot_per_octave_of_length():
-    cache = PrefixCache(None, "test")
+    cache = PrefixCache(max_entries=100)
     prompt = list(range(1024))
     for end in range(32, 1025, 32):
-        cache.remember_boundary(prompt[:end], _state(64))
+        cache.remember_boundary(prompt[:end], _saved(end))
     # 32 boundaries; kept: the longest in each octave of length below 1024 (32..63,
     # 64..127, 128..255, 256..511, 512..1023) and 1024 itself.
     assert sorted(len(entry.tokens) for entry in cache._entries) == [32, 32 * 3, 32 * 7, 32 * 15, 32 * 31, 1024]
     # A prompt sharing 700 tokens resumes from the longest kept snapshot inside them.
-    _, cached = cache.fetch(prompt[:700] + [5000, 5001])
-    assert cached == 32 * 15
+    found = cache.find(prompt[:700] + [5000, 5001])
+    assert found is not None and found[1] == 32 * 15
 
 
-def test_snapshots_give_way_when_the_machine_runs_low_on_memory(monkeypatch):
-    available = {"bytes": 8 << 30}
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available["bytes"]))
-    cache = PrefixCache(None, "test")
+def test_entries_give_way_least_recently_used_first_to_a_budget_of_tokens():
+    cache = PrefixCache(max_entries=16)
     for index in range(4):
-        cache.remember_finished([index] * 10, _state(1 << 20))
-    assert len(cache._entries) == 4
-    # Under the reserve by 2.5 MiB: the three least recently used go.
-    cache.fetch([3] * 10)
-    available["bytes"] = PREFIX_CACHE_RESERVE_BYTES - (5 << 19)
-    cache.remember_finished([9] * 10, _state(1 << 20))
-    assert [int(entry.tokens[0]) for entry in cache._entries] == [3, 9]
+        cache.remember([index] * 10, _saved(10, trimmable=True))
+    assert cache.held_tokens == 40
+    used = cache.find([3] * 10 + [7])
+    assert used is not None and used[1] == 10
+    # Room for 25 tokens, entry 0 kept (a request is about to copy it): 1 and 2 go.
+    cache.evict(25, keep=cache._entries[0].saved)
+    assert sorted(int(entry.tokens[0]) for entry in cache._entries) == [0, 3]
+    cache.evict(0)
+    assert cache.held_tokens == 0 and len(cache) == 0

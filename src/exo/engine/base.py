@@ -10,10 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from exo.shared.types.common import CommandId
+from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.instances import Instance
+from exo.shared.types.runners import RunnerMemory
 from exo.shared.types.shards import ShardMetadata
-from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams
+from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, TextGenerationTaskParams
 
 LayerProgress = Callable[[int, int], None]
 # (bytes written, bytes in all) of a conversion of the weights before they load.
@@ -63,6 +64,11 @@ class Engine(Protocol):
         ...
 
     @property
+    def memory(self) -> RunnerMemory | None:
+        """The runner's memory budget and what holds it (rank 0; None before load)."""
+        ...
+
+    @property
     def has_work(self) -> bool:
         """Requests are active, or changes wait for the next step."""
         ...
@@ -81,3 +87,19 @@ class Engine(Protocol):
     def close(self) -> None:
         """Free the model; on rank 0 of a group, also tell the followers to stop."""
         ...
+
+
+def generate_warmup(engine: Engine) -> int:
+    """A short greedy request, stepped until it ends (what an engine's warm_up runs on
+    rank 0); returns the tokens generated."""
+    params = TextGenerationTaskParams(
+        model=ModelId("warmup"),
+        messages=[ChatMessage(role="user", content="Hello")],
+        max_tokens=4,
+        temperature=0.0,
+    )
+    engine.submit(CommandId("warmup"), params)
+    generated = 0
+    while engine.has_work:
+        generated += sum(len(chunk.token_ids) for chunk in engine.step())
+    return generated

@@ -3,23 +3,38 @@ same way on every node of a cluster)."""
 
 import os
 
-import psutil
-
 # max_tokens when a request gives none.
 DEFAULT_MAX_TOKENS = 1024
-# Prompt tokens per prefill step: progress and cancellations land between steps.
-PREFILL_STEP = int(os.environ.get("EXO_PREFILL_STEP", "512"))
 # Requests stepped together; later ones wait in arrival order.
 MAX_BATCH = int(os.environ.get("EXO_MAX_BATCH", "8"))
 
-# The prefix cache (each engine's own): finished requests' prompt + answer kept, up to
-# this many entries and bytes, giving entries up while the machine has less free memory
-# than the reserve.
+# Tokens fed per step (prompt chunks and decode tokens together): progress and
+# cancellations land between steps, and a long prompt holds running streams up by one
+# step at most. A GPU takes a larger step than 2 CPU cores in the same time.
+CPU_STEP_TOKENS = 512
+GPU_STEP_TOKENS = 2048
+
+
+def step_tokens(on_gpu: bool) -> int:
+    configured = os.environ.get("EXO_PREFILL_STEP")
+    if configured:
+        return int(configured)
+    return GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS
+
+
+# The prefix cache: finished requests' prompt + answer kept, up to this many entries and
+# bytes (as tokens of KV), and never past the runner's memory budget.
 PREFIX_CACHE_ENTRIES = int(os.environ.get("EXO_PREFIX_CACHE_ENTRIES", "16"))
 PREFIX_CACHE_BYTES = int(os.environ.get("EXO_PREFIX_CACHE_BYTES", str(2 << 30)))
-PREFIX_CACHE_RESERVE_BYTES = int(os.environ.get("EXO_PREFIX_CACHE_RESERVE_BYTES", str(1 << 30)))
 
 
-def prefix_cache_budget(held: int) -> int:
-    """Bytes the prefix cache may hold now, given it holds `held`."""
-    return min(PREFIX_CACHE_BYTES, held + psutil.virtual_memory().available - PREFIX_CACHE_RESERVE_BYTES)
+def memory_budget_override() -> int | None:
+    """EXO_MEMORY_BUDGET_MB: the memory a runner may use, weights included, in place of
+    what its device has."""
+    configured = os.environ.get("EXO_MEMORY_BUDGET_MB")
+    return int(float(configured) * (1 << 20)) if configured else None
+
+
+# Of the device's memory, the share a runner budgets for: the rest is the OS's and other
+# processes' (on a Mac and a CPU node the memory is shared).
+MEMORY_FRACTION = float(os.environ.get("EXO_MEMORY_FRACTION", "0.85"))

@@ -205,14 +205,17 @@ class Runner:
         )
 
     def _report_load(self) -> None:
-        """Running and queued counts and the prefix cache's use, sent when they change (a
-        request came or left): the status rides the usual runner -> worker -> event way
-        into State."""
+        """Running and queued counts, the prefix cache's use and the memory budget, sent
+        when they change (a request came or left): the status rides the usual runner ->
+        worker -> event way into State."""
         running, queued = self.engine.request_counts
+        memory = self.engine.memory
         if running == 0 and queued == 0:
-            status: RunnerStatus = RunnerReady(prefix_cache=self.prefix_cache)
+            status: RunnerStatus = RunnerReady(prefix_cache=self.prefix_cache, memory=memory)
         else:
-            status = RunnerRunning(active_tasks=running, queued_tasks=queued, prefix_cache=self.prefix_cache)
+            status = RunnerRunning(
+                active_tasks=running, queued_tasks=queued, prefix_cache=self.prefix_cache, memory=memory
+            )
         if status != self._reported:
             self._reported = status
             self.set_status(status)

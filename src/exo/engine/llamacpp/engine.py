@@ -4,15 +4,18 @@ tokenizes with the model's Hugging Face tokenizer and feeds llama.cpp token ids;
 samples from llama.cpp's logits itself (sampling.py) and parses the output as for MLX
 (engine/answer.py).
 
-Each step is one llama_decode over one batch holding every running request: the next
-token of each decoding request, and up to PREFILL_STEP prompt tokens of the requests
-still prefilling (oldest first), each on its own sequence of one context. Requests join
-and leave between steps, up to MAX_BATCH at once; later ones wait in arrival order. A
-request's KV is saved when it ends (slots.py), so a later prompt sharing its start
-prefills only the rest.
+It is a backend of the engine-neutral scheduler (engine/scheduler.py), which plans each
+step: one llama_decode runs the whole plan, the next token of each decoding request and
+the prompt chunks of several prefilling ones, each request on its own sequence of one
+context. The scheduler admits requests by the context's cells (each running request
+holds its prompt and whole answer), so a prompt that arrives when the cells are taken
+waits. A finished request's KV is saved to host memory for the prefix cache and its
+cells freed: in one unified KV every decode attends over the cells up to the highest one
+in use, so kept sequences slowed every running request (a 1024x16 llama's decode went
+from 8.6 to 12 ms a token as five finished 900-token requests stayed).
 
 The context starts small and grows (a new context, the running requests' KV moved over)
-to what the running requests may fill, up to the card's context: a KV far larger than
+to what the admitted requests may fill, up to the card's context: a KV far larger than
 its use costs memory and, with values stored transposed, decode speed.
 
 A pipeline instance is split with ggml's RPC backend (rpc.py): followers serve their
@@ -23,37 +26,33 @@ import os
 import random
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 from transformers import AutoTokenizer
 
+from exo.engine import limits
 from exo.engine.answer import AnswerStream, output_parser_for
-from exo.engine.base import ConvertProgress, LayerProgress
+from exo.engine.base import ConvertProgress, LayerProgress, generate_warmup
 from exo.engine.constrained import GrammarMask, grammar_for, grammar_tokenizer
 from exo.engine.detokenizer import StreamingDetokenizer
 from exo.engine.encoding.chat_prompt import encode_prompt
-from exo.engine.limits import DEFAULT_MAX_TOKENS, MAX_BATCH, PREFILL_STEP
 from exo.engine.llamacpp import rpc
 from exo.engine.llamacpp.gguf_convert import gguf_for
-from exo.engine.llamacpp.native import Context, Model
+from exo.engine.llamacpp.native import Context, Model, SequenceState
 from exo.engine.llamacpp.sampling import Sampler, token_logprob
-from exo.engine.llamacpp.slots import Slots
 from exo.engine.parsing.output import think_markers_for, tool_format_for, vocabulary_think_markers
+from exo.engine.prefix_cache import SavedKV
+from exo.engine.request_settings import logprobs_wanted, max_tokens_of, sampling_settings
+from exo.engine.scheduler import Budget, Request, Row, Sampled, Scheduler
 from exo.shared.models.families import family_facts
-from exo.shared.types.common import CommandId, ModelId
+from exo.shared.types.common import CommandId
 from exo.shared.types.instances import Instance
+from exo.shared.types.runners import RunnerMemory
 from exo.shared.types.shards import ShardMetadata
-from exo.shared.types.text_generation import (
-    ChatMessage,
-    ChunkGenerated,
-    GenerationStats,
-    PrefillProgress,
-    TextGenerationTaskParams,
-    Usage,
-)
+from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams
 
 # KV cells of the context (all sequences together): the card's context, at most this.
 MAX_CONTEXT = int(os.environ.get("EXO_LLAMACPP_CONTEXT", "32768"))
@@ -68,31 +67,19 @@ MAX_SAVE_ROUND_TRIPS = 256
 
 
 @dataclass
-class _Request:
-    request_id: CommandId
-    params: TextGenerationTaskParams
-    prompt: list[int]
-    sampler: Sampler
-    answer: AnswerStream
-    want_logprobs: int | None  # None: none; else how many alternatives
-    submitted_at: float
-    sequence: int | None = None  # its sequence once admitted
-    fed: int = 0  # tokens in its sequence's KV
-    cached_tokens: int = 0
-    shared_steps: int = 0  # steps its tokens shared with another sequence's (its KV is in pieces)
-    output: list[int] = field(default_factory=list)
-    first_token_at: float | None = None
+class _Work:
+    """A request's part on llama.cpp: its sampler, and its sequence once admitted."""
 
-    @property
-    def prefilling(self) -> bool:
-        return self.fed < len(self.prompt)
+    sampler: Sampler
+    sequence: int | None = None
+    shared_steps: int = 0  # steps its tokens shared with another sequence's (its KV is in pieces)
 
 
 class LlamaCppEngine:
     def __init__(self) -> None:
         self.model: Model | None = None
         self.context: Context | None = None
-        self.slots: Slots | None = None
+        self.scheduler: Scheduler | None = None
         # A transformers fast tokenizer (its stubs type too little to say so).
         self.tokenizer: Any = None
         self.eos_token_ids: set[int] = set()
@@ -107,7 +94,9 @@ class LlamaCppEngine:
         self.f32_kv = False
         self.kv_width = 0  # keys (and values) per token per layer
         self.max_context = 0  # KV cells the context may grow to
-        self._requests: dict[CommandId, _Request] = {}
+        self.step_tokens = limits.step_tokens(on_gpu=False)
+        self._open: dict[CommandId, Request] = {}  # admitted requests, with a sequence
+        self._free_sequences: list[int] = []
         self._grammar_tokenizer = None
         self.shutdown_requested = False
 
@@ -165,35 +154,40 @@ class LlamaCppEngine:
         # read and write it over RPC, so a split starts at its full size.
         first = self.max_context if self.endpoints else min(FIRST_CONTEXT, self.max_context)
         self.context = self._new_context(first)
-        self.slots = Slots(self.context, MAX_BATCH)
+        self._free_sequences = list(range(limits.MAX_BATCH - 1, -1, -1))
+        kv_bytes_per_token = 2 * self.model.n_layers * self.kv_width * (4 if self.f32_kv else 2)
+        self.scheduler = Scheduler(
+            self,
+            Budget(
+                # The context's cells bound the running requests; the prefix cache's
+                # snapshots share the node's memory with them.
+                kv_tokens=self.max_context,
+                step_tokens=self.step_tokens,
+                prefix_cache_tokens=limits.PREFIX_CACHE_BYTES // kv_bytes_per_token,
+                weights_bytes=gguf.stat().st_size,
+                kv_bytes_per_token=kv_bytes_per_token,
+                budget_bytes=self.max_context * kv_bytes_per_token,
+            ),
+        )
         logger.info(
             f"llama.cpp: {gguf.name}, {self.model.n_layers} layers, context {self.context.n_ctx} of {self.max_context}"
         )
 
     def _new_context(self, n_ctx: int) -> Context:
         assert self.model is not None
-        return Context(self.model, n_ctx, MAX_BATCH, PREFILL_STEP + MAX_BATCH, f32_kv=self.f32_kv)
+        return Context(self.model, n_ctx, limits.MAX_BATCH, self.step_tokens, f32_kv=self.f32_kv)
 
     def warm_up(self) -> int:
         if self.rank > 0:
             return 0
-        params = TextGenerationTaskParams(
-            model=ModelId("warmup"),
-            messages=[ChatMessage(role="user", content="Hello")],
-            max_tokens=4,
-            temperature=0.0,
-        )
-        self.submit(CommandId("warmup"), params)
-        generated = 0
-        while self._requests:
-            generated += sum(len(chunk.token_ids) for chunk in self.step())
-        assert self.slots is not None
+        generated = generate_warmup(self)
+        assert self.scheduler is not None
         # The warm-up's snapshot holds a prompt no one sends.
-        self.slots.clear()
+        self.scheduler.prefix_cache.clear()
         return generated
 
     def submit(self, request_id: CommandId, params: TextGenerationTaskParams) -> None:
-        assert self.tokenizer is not None and self.model is not None, "load() first"
+        assert self.tokenizer is not None and self.model is not None and self.scheduler is not None, "load() first"
         grammar = grammar_for(params.response_format)
         if params.images:
             raise ValueError(f"{params.model} takes no images on the llama.cpp engine")
@@ -207,32 +201,16 @@ class LlamaCppEngine:
             prompt = [self.tokenizer.bos_token_id or 0]
         if max(prompt) >= self.model.n_vocab or min(prompt) < 0:
             raise ValueError(f"prompt token ids must be below the vocabulary size {self.model.n_vocab}")
-        room = self.context_room(prompt)
-        if room < 1:
-            raise ValueError(f"the prompt's {len(prompt)} tokens leave no room in the context of {len(prompt) + room}")
-        # An answer ends ("length") where its context does, not in an error.
-        max_tokens = min(params.max_tokens or DEFAULT_MAX_TOKENS, room)
         answer = AnswerStream(
             request_id,
             StreamingDetokenizer(self.tokenizer.backend_tokenizer),
             output_parser_for(params, prompt_text, self.think_markers, self.tool_format),
             params.stop,
             self.eos_token_ids,
-            max_tokens,
+            max_tokens_of(params),
         )
-        self._requests[request_id] = _Request(
-            request_id=request_id,
-            params=params,
-            prompt=prompt,
-            sampler=self._sampler(params, grammar),
-            answer=answer,
-            want_logprobs=(params.top_logprobs or 0) if params.logprobs else None,
-            submitted_at=time.perf_counter(),
-        )
-
-    def context_room(self, prompt: list[int]) -> int:
-        """Tokens an answer to `prompt` can have before the context is full."""
-        return self.max_context - len(prompt)
+        work = _Work(self._sampler(params, grammar))
+        self.scheduler.add(Request(request_id, prompt, answer, logprobs_wanted(params), work))
 
     def _sampler(self, params: TextGenerationTaskParams, grammar: str | None) -> Sampler:
         assert self.tokenizer is not None and self.model is not None
@@ -241,79 +219,116 @@ class LlamaCppEngine:
             if self._grammar_tokenizer is None:
                 self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.eos_token_ids)
             mask = GrammarMask(self._grammar_tokenizer, grammar)
-        vocab = self.model.n_vocab
-        top_k = int(self._pick(params, "top_k", 0))
+        settings = sampling_settings(params, self.card_defaults, self.model.n_vocab)
         return Sampler(
-            temperature=float(self._pick(params, "temperature", 0.7)),
-            top_p=float(self._pick(params, "top_p", 1.0)),
-            # Keeping the whole vocabulary or more is no filter at all.
-            top_k=0 if top_k >= vocab else top_k,
-            min_p=float(self._pick(params, "min_p", 0.0)),
-            repetition_penalty=self._pick(params, "repetition_penalty", None),
-            presence_penalty=self._pick(params, "presence_penalty", None),
-            frequency_penalty=self._pick(params, "frequency_penalty", None),
-            # Out-of-range ids are dropped rather than refused: only the engine knows the
-            # vocabulary.
-            bias={token: value for token, value in (params.logit_bias or {}).items() if 0 <= token < vocab},
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+            min_p=settings.min_p,
+            repetition_penalty=settings.repetition_penalty,
+            presence_penalty=settings.presence_penalty,
+            frequency_penalty=settings.frequency_penalty,
+            bias=settings.bias,
             grammar=mask,
             seed=params.seed if params.seed is not None else random.getrandbits(31),
         )
 
-    def _pick(self, params: TextGenerationTaskParams, name: str, fallback: Any) -> Any:
-        """The request's value, else the model card's recommendation, else `fallback`."""
-        value = getattr(params, name)
-        return value if value is not None else self.card_defaults.get(name, fallback)
-
     def cancel(self, request_id: CommandId) -> None:
-        request = self._requests.pop(request_id, None)
-        if request is not None and request.sequence is not None:
-            self._leave(request)
+        assert self.scheduler is not None
+        self.scheduler.cancel(request_id)
 
     def step(self) -> list[ChunkGenerated]:
-        assert self.context is not None and self.slots is not None
-        running = list(self._requests.values())[:MAX_BATCH]
-        # Before new requests take sequences: a prefix cache snapshot needs room to land.
-        wanted = sum(len(request.prompt) + request.answer.max_tokens for request in running)
-        self._grow_context(context_size(self.context.n_ctx, wanted, self.max_context), running)
-        for request in running:
-            if request.sequence is None:
-                request.sequence, request.cached_tokens = self.slots.take(request.prompt)
-                request.fed = request.cached_tokens
-        plan = self._fill_batch(running)
-        while self.context.decode() == 1:
-            # No room in the KV cache for the running requests (llama.cpp left it as it
-            # was, and the batch refills the same): a larger context, else the newest
-            # request gives way.
-            if self.context.n_ctx >= self.max_context:
-                return [self._fail(running[-1], f"the context of {self.context.n_ctx} tokens is full")]
-            self._grow_context(context_size(self.context.n_ctx, self.context.n_ctx + 1, self.max_context), running)
-            plan = self._fill_batch(running)
-        if len(plan) > 1:
-            for request, _, _ in plan:
-                request.shared_steps += 1
-        chunks: list[ChunkGenerated] = []
-        for request, fed, index in plan:
-            prefilled = request.prefilling
-            request.fed = fed
-            if prefilled:
-                chunks.append(
-                    ChunkGenerated(
-                        command_id=request.request_id,
-                        prefill=PrefillProgress(processed_tokens=fed, total_tokens=len(request.prompt)),
-                    )
-                )
-            if index is not None:
-                chunks.append(self._next_token(request, index))
-        return chunks
+        assert self.scheduler is not None
+        return self.scheduler.step()
 
-    def _grow_context(self, n_ctx: int, running: list[_Request]) -> None:
+    # --- the scheduler's backend ---------------------------------------------------------
+
+    def reserve(self, tokens: int) -> None:
+        """A larger context when the admitted requests may fill more than it holds."""
+        assert self.context is not None
+        self._grow_context(context_size(self.context.n_ctx, tokens, self.max_context))
+
+    def open(self, request: Request, cached: tuple[SavedKV, int] | None) -> int:
+        assert self.context is not None
+        work: _Work = request.work
+        work.sequence = self._free_sequences.pop()
+        self._open[request.request_id] = request
+        if cached is None:
+            return 0
+        saved, length = cached
+        if not self.context.restore(saved.snapshot, work.sequence):
+            return 0  # no room for it in the KV now: prefill from the start
+        self.context.remove(work.sequence, length, -1)
+        return length
+
+    def chunk_end(self, request: Request, start: int, end: int) -> int:
+        return end
+
+    def run(self, rows: list[Row]) -> list[Sampled]:
+        assert self.context is not None and self.tokenizer is not None
+        batch = self.context.batch
+        while True:
+            batch.clear()
+            indices = [batch.add(row.tokens, row.start, row.request.work.sequence, row.sample) for row in rows]
+            if self.context.decode() == 0:
+                break
+            # No room in the KV (llama.cpp left it as it was): admission keeps the
+            # requests within the context's cells, so only a context smaller than it
+            # should be gets here.
+            if self.context.n_ctx >= self.max_context:
+                raise RuntimeError(f"llama.cpp found no room for the batch in {self.context.n_ctx} cells")
+            self._grow_context(context_size(self.context.n_ctx, self.context.n_ctx + 1, self.max_context))
+        sampled: list[Sampled] = []
+        for row, index in zip(rows, indices, strict=True):
+            work: _Work = row.request.work
+            work.shared_steps += len(rows) > 1
+            if not row.sample:
+                continue
+            want = row.request.want_logprobs
+            token, logprobs = work.sampler.choose(self.context.logits(index), want is not None)
+            work.sampler.accept(token)
+            logprob = None
+            if want is not None and logprobs is not None:
+                logprob = token_logprob(self.tokenizer.decode, token, logprobs, want)
+            sampled.append(Sampled(row.request, token, logprob))
+        return sampled
+
+    def snapshot(self, request: Request) -> SavedKV | None:
+        return None  # a sequence's KV is cut back to any length (llama_memory_seq_rm)
+
+    def release(self, request: Request) -> SavedKV | None:
+        """The request's KV is saved with what it holds (the prompt and every generated
+        token but the last, never fed), unless reading it back from the followers would
+        stall the batch; its cells are freed."""
+        assert self.context is not None
+        self._open.pop(request.request_id, None)
+        work: _Work = request.work
+        if work.sequence is None:
+            return None
+        saved = None
+        if request.fed and self._save_round_trips(work) <= MAX_SAVE_ROUND_TRIPS:
+            state = self.context.save(work.sequence)
+            saved = SavedKV(state, request.fed, state.nbytes, trimmable=True)
+        self.context.remove(work.sequence)
+        self._free_sequences.append(work.sequence)
+        work.sequence = None
+        return saved
+
+    def peak_memory(self) -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def _grow_context(self, n_ctx: int) -> None:
         """A context of `n_ctx` cells in place of the current one (when larger), holding
         the running requests' KV (saved to host memory and restored, sequence by sequence)."""
-        assert self.context is not None and self.slots is not None
+        assert self.context is not None and self.scheduler is not None
         if n_ctx <= self.context.n_ctx:
             return
         started = time.perf_counter()
-        held = [(r.sequence, self.context.save(r.sequence)) for r in running if r.sequence is not None and r.fed]
+        held: list[tuple[int, SequenceState]] = []
+        for request in self._open.values():
+            sequence = request.work.sequence
+            if sequence is not None and request.fed:
+                held.append((sequence, self.context.save(sequence)))
         previous = self.context.n_ctx
         self.context.close()
         try:
@@ -324,10 +339,7 @@ class LlamaCppEngine:
             logger.warning(f"llama.cpp: no context of {n_ctx} cells here; staying at {previous}")
             self.max_context = previous
             self.context = self._new_context(previous)
-            for request in self._requests.values():  # the queued ones too
-                answer = request.answer
-                answer.max_tokens = max(1, min(answer.max_tokens, previous - len(request.prompt)))
-        self.slots.context = self.context
+            self.scheduler.shrink(previous)
         for sequence, state in held:
             if not self.context.restore(state, sequence):
                 cells = self.context.n_ctx
@@ -336,60 +348,7 @@ class LlamaCppEngine:
         moved = f"{len(held)} sequences moved in {elapsed:.2f} s"
         logger.info(f"llama.cpp: context now {self.context.n_ctx} cells ({moved})")
 
-    def _fill_batch(self, running: list[_Request]) -> list[tuple[_Request, int, int | None]]:
-        """Every decoding request's last token, then prompt chunks within the budget.
-        Returns, per request in the batch, what its KV holds after the step and the
-        batch row whose logits give its next token (None: still prefilling)."""
-        assert self.context is not None
-        batch = self.context.batch
-        batch.clear()
-        plan: list[tuple[_Request, int, int | None]] = []
-        for request in running:
-            if not request.prefilling:
-                assert request.sequence is not None
-                index = batch.add(request.output[-1:], request.fed, request.sequence, True)
-                plan.append((request, request.fed + 1, index))
-        budget = PREFILL_STEP
-        for request in running:
-            if budget <= 0 or not request.prefilling:
-                continue
-            assert request.sequence is not None
-            end = min(request.fed + budget, len(request.prompt))
-            done = end == len(request.prompt)
-            index = batch.add(request.prompt[request.fed : end], request.fed, request.sequence, done)
-            budget -= end - request.fed
-            plan.append((request, end, index if done else None))
-        return plan
-
-    def _next_token(self, request: _Request, index: int) -> ChunkGenerated:
-        assert self.context is not None and self.tokenizer is not None
-        if request.first_token_at is None:
-            request.first_token_at = time.perf_counter()
-        token, logprobs = request.sampler.choose(self.context.logits(index), request.want_logprobs is not None)
-        request.sampler.accept(token)
-        request.output.append(token)
-        logprob = None
-        if request.want_logprobs is not None and logprobs is not None:
-            logprob = token_logprob(self.tokenizer.decode, token, logprobs, request.want_logprobs)
-        chunk = request.answer.feed(token, logprob)
-        if chunk.finish_reason is None:
-            return chunk
-        del self._requests[request.request_id]
-        self._leave(request)
-        return chunk.model_copy(update={"usage": self._usage(request), "stats": self._stats(request)})
-
-    def _leave(self, request: _Request) -> None:
-        """The request's KV is saved for the prefix cache with what it holds: the prompt
-        and every generated token but the last (never fed); unless reading it back from
-        the followers would stall the batch."""
-        assert self.slots is not None and request.sequence is not None
-        if self._save_round_trips(request) > MAX_SAVE_ROUND_TRIPS:
-            self.slots.release(request.sequence)
-        else:
-            self.slots.keep(request.sequence, (request.prompt + request.output)[: request.fed])
-        request.sequence = None
-
-    def _save_round_trips(self, request: _Request) -> int:
+    def _save_round_trips(self, work: _Work) -> int:
         """The RPC calls that saving the request's KV costs: llama.cpp reads a sequence
         one run of cells at a time, per layer, keys then values; its values transposed
         (a float32 KV, without flash attention) one row of a run at a time. Each step the
@@ -397,52 +356,29 @@ class LlamaCppEngine:
         remote_layers = sum(self.follower_layers)
         if remote_layers == 0:
             return 0
-        runs = 1 + request.shared_steps
+        runs = 1 + work.shared_steps
         per_run = 1 + (self.kv_width if self.f32_kv else 1)
         return remote_layers * runs * per_run
 
-    def _fail(self, request: _Request, message: str) -> ChunkGenerated:
-        del self._requests[request.request_id]
-        assert self.slots is not None and request.sequence is not None
-        self.slots.release(request.sequence)
-        return ChunkGenerated(command_id=request.request_id, finish_reason="error", error_message=message)
-
-    def _usage(self, request: _Request) -> Usage:
-        return Usage(
-            prompt_tokens=len(request.prompt),
-            completion_tokens=request.answer.generated,
-            reasoning_tokens=request.answer.reasoning_tokens,
-            cached_tokens=request.cached_tokens,
-        )
-
-    def _stats(self, request: _Request) -> GenerationStats:
-        now = time.perf_counter()
-        first = request.first_token_at or now
-        generated = request.answer.generated
-        return GenerationStats(
-            prompt_tps=len(request.prompt) / max(first - request.submitted_at, 1e-9),
-            generation_tps=(generated - 1) / max(now - first, 1e-9) if generated > 1 else 0.0,
-            prompt_tokens=len(request.prompt),
-            generation_tokens=generated,
-            peak_memory_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        )
-
     @property
     def request_counts(self) -> tuple[int, int]:
-        running = min(len(self._requests), MAX_BATCH)
-        return running, len(self._requests) - running
+        return self.scheduler.counts if self.scheduler is not None else (0, 0)
 
     @property
     def has_work(self) -> bool:
-        return bool(self._requests)
+        return self.scheduler is not None and self.scheduler.has_work
+
+    @property
+    def memory(self) -> RunnerMemory | None:
+        return self.scheduler.memory() if self.scheduler is not None else None
 
     def close(self) -> None:
-        self._requests.clear()
+        self._open.clear()
         if self.context is not None:
             self.context.close()
         if self.model is not None:
             self.model.close()
-        self.context = self.model = self.slots = None
+        self.context = self.model = self.scheduler = None
 
 
 def context_size(current: int, wanted: int, ceiling: int) -> int:

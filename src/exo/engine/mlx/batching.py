@@ -1,8 +1,10 @@
-"""Continuous batching of decode: every request whose prompt is prefilled decodes in one
-batched forward per step, on mlx-lm's `GenerationBatch` over its batched KV cache
-(`BatchKVCache`, left-padded, one row per request). A request joins between steps with
-the cache its own prefill filled, and leaves at once when it finishes or is cancelled;
-a finished one's cache is extracted for the prefix cache.
+"""Batching on mlx-lm's batched KV cache (`BatchKVCache`, one row per request): prompt
+chunks of several requests prefilled in one forward (`prefill_together`), and decode,
+where every request whose prompt is prefilled takes its next token in one batched
+forward per step, on mlx-lm's `GenerationBatch`. Requests join between steps with the
+cache their prefill filled (those that finish prefilling in the same step join in one
+forward), and leave at once when they finish or are cancelled; a finished one's cache
+is extracted for the prefix cache.
 
 Each row keeps its own sampler and logits processors (mlx-lm applies them per row);
 stop strings, EOS, max tokens and logprobs stay with the engine, which decides when a
@@ -10,7 +12,7 @@ request finishes. mlx-lm's own stop and length checks are switched off (no stop
 sequences, a max that is never reached) so the batch's membership is the engine's alone:
 on a split instance every rank then keeps the same rows in the same order."""
 
-from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -20,8 +22,6 @@ from mlx_lm.models.cache import KVCache
 
 from exo.shared.types.common import CommandId
 
-# Requests prefilling or decoding at once on an instance; later ones wait in arrival order.
-
 _NEVER = 1 << 62  # mlx-lm's per-row max_tokens: the engine finishes requests itself
 
 
@@ -29,6 +29,41 @@ def can_batch(cache: list[Any]) -> bool:
     """Plain KV caches only, for now: rotating windows, SSM state and DeepSeek V4's
     compressed caches decode on their own (mlx-lm batches some of them, untested here)."""
     return bool(cache) and all(type(layer) is KVCache for layer in cache)
+
+
+@dataclass(frozen=True)
+class Joiner:
+    request_id: CommandId
+    cache: list[Any]
+    last_token: int
+    sampler: Any
+    processors: list[Any]
+
+
+def _merged(caches: list[list[Any]]) -> list[Any]:
+    """One batched cache per layer from the requests' own (left-padded to one length)."""
+    return [layers[0].merge(list(layers)) for layers in zip(*caches, strict=True)]
+
+
+def prefill_together(model: nn.Module, caches: list[list[Any]], chunks: list[list[int]]) -> list[list[Any]]:
+    """Several requests' prompt chunks in one forward: their caches merged into one
+    batch (left-padded to one length), the chunks right-padded to one length, as
+    mlx-lm's BatchGenerator prefills. Returns each request's cache, holding its chunk."""
+    lengths = [len(chunk) for chunk in chunks]
+    longest = max(lengths)
+    padding = [longest - length for length in lengths]
+    with mx.stream(generation_stream):
+        merged = _merged(caches)
+        for layer in merged:
+            layer.prepare(lengths=lengths, right_padding=padding)
+        tokens = mx.array([chunk + [0] * pad for chunk, pad in zip(chunks, padding, strict=True)])
+        model(tokens, cache=merged)
+        for layer in merged:
+            layer.finalize()
+        caches = [[layer.extract(row) for layer in merged] for row in range(len(chunks))]
+        # Evaluated now, so nothing holds the merged batch's buffers past this step.
+        mx.eval([[layer.state for layer in cache] for cache in caches])
+        return caches
 
 
 class DecodeBatch:
@@ -43,37 +78,33 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self._uids)
 
-    def join(
-        self,
-        model: nn.Module,
-        request_id: CommandId,
-        cache: list[Any],
-        last_token: int,
-        sampler: Any,
-        processors: list[Any],
-    ) -> None:
-        """`cache` holds the prompt but its last token, which the request's first step feeds
-        (computed here, on its own; its token comes out of the next `step`)."""
-        uid, self._next_uid = self._next_uid, self._next_uid + 1
+    def join(self, model: nn.Module, joiners: list[Joiner]) -> None:
+        """Each joiner's cache holds its prompt but the last token, which its first step
+        feeds: all of them in one forward, here; their tokens come out of the next `step`."""
+        if not joiners:
+            return
+        uids = list(range(self._next_uid, self._next_uid + len(joiners)))
+        self._next_uid += len(joiners)
         with mx.stream(generation_stream):
             joined = GenerationBatch(
                 model,
-                [uid],
-                mx.array([last_token]),
-                [layer.merge([layer]) for layer in cache],
+                uids,
+                mx.array([joiner.last_token for joiner in joiners]),
+                _merged([joiner.cache for joiner in joiners]),
                 # The processors' context starts at the last prompt token, as generate_step's does.
-                [[]],
-                [sampler],
-                sampler,
-                [list(processors)],
-                [StopSequences()],
-                [_NEVER],
+                [[] for _ in joiners],
+                [joiner.sampler for joiner in joiners],
+                joiners[0].sampler,
+                [list(joiner.processors) for joiner in joiners],
+                [StopSequences() for _ in joiners],
+                [_NEVER] * len(joiners),
             )
             if self._batch is None or len(self._batch) == 0:
                 self._batch = joined
             else:
                 self._batch.extend(joined)
-        self._uids[request_id] = uid
+        for joiner, uid in zip(joiners, uids, strict=True):
+            self._uids[joiner.request_id] = uid
 
     def step(self) -> list[tuple[CommandId, int, mx.array]]:
         """One batched forward: each member's next token and its log-probabilities."""
@@ -93,15 +124,3 @@ class DecodeBatch:
             cache = self._batch.extract_cache(index)
             self._batch.filter([i for i in range(len(self._batch)) if i != index])
         return cache
-
-    def keep_only(self, request_ids: Iterable[CommandId]) -> None:
-        """Drop members no longer wanted (cancelled): their caches go with them."""
-        wanted = set(request_ids)
-        gone = [request_id for request_id in self._uids if request_id not in wanted]
-        if not gone or self._batch is None:
-            return
-        for request_id in gone:
-            del self._uids[request_id]
-        keep_uids = set(self._uids.values())
-        with mx.stream(generation_stream):
-            self._batch.filter([i for i, uid in enumerate(self._batch.uids) if uid in keep_uids])

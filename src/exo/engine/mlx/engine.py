@@ -1,16 +1,16 @@
-"""Generation with MLX: each step runs up to PREFILL_STEP prompt tokens of the requests
-still prefilling (oldest first), then one batched forward that gives every decoding
-request its next token (engine/mlx/batching.py), so new requests join and cancellations
-land between steps and new prompts hold running streams up by one chunk at most.
-Requests the batch cannot hold (images, caches other than plain KV) decode on their own
-mlx-lm `generate_step` stream. Beyond MAX_BATCH requests, later ones wait in arrival
-order. The model's text goes through the family's output parser, which splits reasoning
-and tool calls from the answer."""
+"""Generation with MLX, a backend of the engine-neutral scheduler (engine/scheduler.py),
+which plans each step: the prompt chunks of the requests still prefilling go through
+the model together in one forward (engine/mlx/batching.py, mlx-lm's batched cache), the
+requests that finish prefilling join the decode batch together, and one batched forward
+gives every decoding request its next token. Requests the batch cannot hold (images,
+caches other than plain KV) prefill and decode on their own (mlx-lm's `generate_step`).
+The model's text goes through the family's output parser, which splits reasoning and
+tool calls from the answer."""
 
+import copy
 import json
 import math
 import random
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,19 +19,26 @@ from typing import Annotated, Any, Literal, assert_never, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from pydantic import Field, TypeAdapter
 
+from exo.engine import limits
 from exo.engine.answer import AnswerStream, output_parser_for
-from exo.engine.base import ConvertProgress, LayerProgress
-from exo.engine.limits import DEFAULT_MAX_TOKENS, MAX_BATCH, PREFILL_STEP
-from exo.engine.mlx.batching import DecodeBatch, can_batch
+from exo.engine.base import ConvertProgress, LayerProgress, generate_warmup
+from exo.engine.mlx.batching import DecodeBatch, Joiner, can_batch, prefill_together
 from exo.engine.mlx.chat_template import detected_think_markers, encode_prompt
 from exo.engine.mlx.constrained import GrammarProcessor, grammar_for, grammar_tokenizer
 from exo.engine.mlx.loading import load_shard
-from exo.engine.mlx.parallel import broadcast_bytes, connect_group, inner_model, set_pipeline_sharing
-from exo.engine.mlx.prefix_cache import PrefixCache
+from exo.engine.mlx.memory import (
+    activation_bytes,
+    device_memory,
+    kv_bytes_per_token,
+    limit_buffer_cache,
+    score_bytes_per_pair,
+)
+from exo.engine.mlx.parallel import agree_on_minimum, broadcast_bytes, connect_group, inner_model, set_pipeline_sharing
 from exo.engine.mlx.vision import (
     VisionEncoder,
     VisionPrompt,
@@ -42,19 +49,19 @@ from exo.engine.mlx.vision import (
     share_prompt,
 )
 from exo.engine.parsing.output import tool_format_for
-from exo.shared.types.common import CommandId, FrozenModel, ModelId
+from exo.engine.prefix_cache import SavedKV
+from exo.engine.request_settings import logprobs_wanted, max_tokens_of, sampling_settings
+from exo.engine.scheduler import Budget, Request, Row, Sampled, Scheduler
+from exo.shared.types.common import CommandId, FrozenModel
 from exo.shared.types.instances import Instance
+from exo.shared.types.runners import RunnerMemory
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
 from exo.shared.types.text_generation import (
-    ChatMessage,
     ChunkGenerated,
-    GenerationStats,
     ImageInput,
-    PrefillProgress,
     TextGenerationTaskParams,
     TokenLogprob,
     TopLogprob,
-    Usage,
 )
 
 
@@ -127,39 +134,17 @@ def _without_prompt_token(processor: Any) -> Any:
 
 
 @dataclass
-class _Request:
-    """One request: first its prompt is prefilled a chunk per step (so progress is
-    reported and a cancellation lands between chunks on every rank), then it decodes a
-    token per step."""
+class _Work:
+    """A request's part on MLX: its sampler and logits processors (logit_bias, penalties
+    and a response_format grammar, in that order), its images, and its cache while it
+    prefills or decodes on its own."""
 
-    request_id: CommandId
-    prompt: list[int]
-    cache: list[Any]
     sampler: Any
-    answer: AnswerStream
-    max_tokens: int
-    submitted_at: float
-    # What the prefix cache knows the prompt by (its images' hashes in their runs).
-    key: list[int] = field(default_factory=list)
+    logits_processors: list[Any]
     vision: VisionPrompt | None = None
-    want_logprobs: int | None = None  # None: none; else how many alternatives
-    # logit_bias, penalties and a response_format grammar, applied in that order.
-    logits_processors: list[Any] = field(default_factory=list)
-    prefilled: int = 0
-    cached_tokens: int = 0
-    output: list[int] = field(default_factory=list)
-    tokens: Iterator[tuple[mx.array, mx.array]] | None = None
+    cache: list[Any] = field(default_factory=list)  # empty while in the batch
+    tokens: Iterator[tuple[mx.array, mx.array]] | None = None  # decoding on its own
     in_batch: bool = False  # decoding in the engine's DecodeBatch
-    first_token_at: float | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt)
-
-    @property
-    def prefilling(self) -> bool:
-        # All but the last prompt token are prefilled; the last starts decoding.
-        return self.prefilled < len(self.prompt) - 1
 
     @property
     def batchable(self) -> bool:
@@ -169,31 +154,34 @@ class _Request:
 class MlxEngine:
     """With several ranks, rank 0 alone takes requests and cancellations; before every
     step it broadcasts what changes (start these requests with these params and seeds,
-    cancel those), and every rank applies the same changes and steps the same requests.
-    So all ranks run the same collectives in the same order and none waits forever."""
+    cancel those), and every rank applies the same changes to its scheduler and steps
+    the same requests. So all ranks run the same collectives in the same order and none
+    waits forever."""
 
     def __init__(self) -> None:
         self.model: nn.Module | None = None
         self.tokenizer: TokenizerWrapper | None = None
         self.group: mx.distributed.Group | None = None
+        self.config: dict[str, Any] = {}
         self.card_defaults: dict[str, float | int] = {}
         self.model_type = ""
         self.reasoning_dialect = "none"
         self.tool_format: str | None = None
         self.think_markers: tuple[str, str] | None = None
-        self.prefix_cache: PrefixCache | None = None
+        self.scheduler: Scheduler | None = None
         self.vision: VisionEncoder | None = None
         # Its attention reads each request's images from its cache (3-D rotary positions,
         # bidirectional image attention).
         self.image_attention = False
         self.pipeline_ranks = 1
-        self._requests: dict[CommandId, _Request] = {}
         # Image bytes rank 0 keeps back from the ops it broadcasts: only it runs the tower.
         self._held_images: dict[CommandId, list[ImageInput]] = {}
         # Requests of a split instance that could not start: ended at the next step.
         self._failed: list[ChunkGenerated] = []
         self._pending_ops: list[RankOp] = []
         self._grammar_tokenizer: Any = None
+        # One sampler per setting: rows sharing one sample in one call.
+        self._samplers: dict[tuple[float, float, float, int], Any] = {}
         self.shutdown_requested = False
         self._batch = DecodeBatch()
 
@@ -212,10 +200,10 @@ class MlxEngine:
         on_converted: ConvertProgress | None = None,  # MLX loads the checkpoint as published
     ) -> None:
         self.model, self.tokenizer = load_shard(model_dir, shard, self.group, on_layer_loaded)
-        self.model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+        self.config = json.loads((model_dir / "config.json").read_text())
+        self.model_type = self.config["model_type"]
         self.tool_format = tool_format_for(self.model_type, self.tokenizer.chat_template)
         self.think_markers = detected_think_markers(self.tokenizer, self.model_type)
-        self.prefix_cache = PrefixCache(self.model, self.model_type)
         # The tower runs on rank 0 alone; the other ranks get its features (share_prompt).
         self.vision = None if self.is_follower else load_vision(model_dir)
         if self.vision is not None:
@@ -225,6 +213,9 @@ class MlxEngine:
         self.pipeline_ranks = shard.world_size if isinstance(shard, PipelineShardMetadata) else 1
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
         self.reasoning_dialect = shard.model_card.reasoning_dialect.value
+        # Room for the warm-up; warm_up measures what a token of KV costs and sets the budget.
+        step = limits.step_tokens(on_gpu=mx.default_device() == mx.gpu)
+        self.scheduler = Scheduler(self, Budget(kv_tokens=1 << 20, step_tokens=step, prefix_cache_tokens=1 << 20))
 
     def warm_up(self) -> int:
         if self.is_follower:
@@ -232,24 +223,52 @@ class MlxEngine:
             generated = 0
             while True:
                 ops = self._apply_ops()
-                self._advance_all()
+                self._scheduler().step()
                 if any(isinstance(op, EndWarmup) for op in ops):
-                    return generated
+                    break
                 generated += 1
-        params = TextGenerationTaskParams(
-            model=ModelId("warmup"),
-            messages=[ChatMessage(role="user", content="Hello")],
-            max_tokens=4,
-            temperature=0.0,
-        )
-        self.submit(CommandId("warmup"), params)
-        generated = 0
-        while self._requests or self._pending_ops:
-            generated += sum(len(chunk.token_ids) for chunk in self.step())
-        if self.group is not None:
-            self._pending_ops.append(EndWarmup())
-            self.step()
+        else:
+            generated = generate_warmup(self)
+            if self.group is not None:
+                self._pending_ops.append(EndWarmup())
+                self.step()
+        self._set_budget()
         return generated
+
+    def _set_budget(self) -> None:
+        """The budget from the device's memory and what a token of KV costs here,
+        measured on a cache holding one token (every rank at once: a forward of a split
+        is a collective); on a split, the fewest tokens any rank fits."""
+        scheduler = self._scheduler()
+        assert self.model is not None and self.tokenizer is not None
+        scheduler.prefix_cache.clear()  # the warm-up's prompt, which no one sends
+        cache = make_prompt_cache(self.model)
+        prefill_chunk(self.model, [self.tokenizer.bos_token_id or 0], cache, self.pipeline_ranks)
+        per_token = kv_bytes_per_token(cache)
+        weights = mx.get_active_memory()
+        step = scheduler.budget.step_tokens
+        activations = activation_bytes(self.config, step, limits.MAX_BATCH)
+        spare = max(0, device_memory() - weights - activations)
+        scores = spare // 4
+        kv_tokens, area = (spare - scores) // per_token, scores // score_bytes_per_pair(self.config)
+        if self.group is not None:
+            kv_tokens = agree_on_minimum(kv_tokens, self.group, generation_stream)
+            area = agree_on_minimum(area, self.group, generation_stream)
+        scheduler.budget = Budget(
+            kv_tokens=kv_tokens,
+            step_tokens=step,
+            prefix_cache_tokens=limits.PREFIX_CACHE_BYTES // per_token,
+            step_area=area,
+            kv_copies=2,
+            budget_bytes=spare,
+            weights_bytes=weights,
+            kv_bytes_per_token=per_token,
+        )
+        limit_buffer_cache(activations + scores)
+
+    def _scheduler(self) -> Scheduler:
+        assert self.scheduler is not None, "load() first"
+        return self.scheduler
 
     def submit(self, request_id: CommandId, params: TextGenerationTaskParams) -> None:
         assert self.model is not None and self.tokenizer is not None, "load() first"
@@ -291,7 +310,7 @@ class MlxEngine:
                 case StartRequest():
                     self._start_in_step(op)
                 case CancelRequest(request_id=request_id):
-                    self._requests.pop(request_id, None)
+                    self._scheduler().cancel(request_id)
                     self._held_images.pop(request_id, None)
                 case EndWarmup():
                     pass  # a follower's warm_up watches for it
@@ -311,10 +330,10 @@ class MlxEngine:
         try:
             self._start(op)
         except Exception as error:
-            self._requests.pop(op.request_id, None)
             self._held_images.pop(op.request_id, None)
             message = f"could not start generation: {error}"
-            # A ValueError is the input's (a processor refusing an image); others are ours.
+            # A ValueError is the input's (a processor refusing an image, a prompt that
+            # cannot fit); others are ours.
             failed = ChunkGenerated(
                 command_id=op.request_id,
                 finish_reason="error",
@@ -335,36 +354,19 @@ class MlxEngine:
         vision = self._vision_prompt(op.request_id, params, prompt)
         if vision is not None:
             prompt = vision.tokens
-        key = vision.key if vision is not None else prompt
         mx.random.seed(op.seed)
-        assert self.prefix_cache is not None
-        # All but the last prompt token are prefilled; the last starts generate_step.
-        cache, cached = self.prefix_cache.fetch(key[:-1])
-        if self.image_attention:
-            attach_prompt_images(cache, vision)
-        max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
-        self._requests[op.request_id] = _Request(
-            request_id=op.request_id,
-            prompt=prompt,
-            cache=cache,
-            sampler=self._sampler(params),
-            answer=AnswerStream(
-                op.request_id,
-                self.tokenizer.detokenizer,
-                output_parser_for(params, prompt_text, self.think_markers, self.tool_format),
-                params.stop,
-                self.tokenizer.eos_token_ids,
-                max_tokens,
-            ),
-            max_tokens=max_tokens,
-            submitted_at=time.perf_counter(),
-            key=key,
-            vision=vision,
-            want_logprobs=(params.top_logprobs or 0) if params.logprobs else None,
-            logits_processors=self._logits_processors(params, max_tokens, op.grammar),
-            prefilled=cached,
-            cached_tokens=cached,
+        max_tokens = max_tokens_of(params)
+        answer = AnswerStream(
+            op.request_id,
+            self.tokenizer.detokenizer,
+            output_parser_for(params, prompt_text, self.think_markers, self.tool_format),
+            params.stop,
+            self.tokenizer.eos_token_ids,
+            max_tokens,
         )
+        work = _Work(self._sampler(params), self._logits_processors(params, max_tokens, op.grammar), vision)
+        key = vision.key if vision is not None else []
+        self._scheduler().add(Request(op.request_id, prompt, answer, logprobs_wanted(params), work, key))
 
     def _vision_prompt(
         self, request_id: CommandId, params: TextGenerationTaskParams, prompt: list[int]
@@ -390,148 +392,186 @@ class MlxEngine:
 
     def _logits_processors(self, params: TextGenerationTaskParams, max_tokens: int, grammar: str | None) -> list[Any]:
         assert self.tokenizer is not None
+        settings = sampling_settings(params, self.card_defaults, len(self.tokenizer._tokenizer))
         # mlx-lm penalizes whatever it was fed, which starts with the last prompt token;
         # dropping that one makes the penalties count generated tokens only, as OpenAI's do.
         penalties = [
             _without_prompt_token(processor)
             for processor in make_logits_processors(
-                repetition_penalty=self._pick(params, "repetition_penalty", None),
+                repetition_penalty=settings.repetition_penalty,
                 repetition_context_size=max_tokens,
-                presence_penalty=self._pick(params, "presence_penalty", None),
+                presence_penalty=settings.presence_penalty,
                 presence_context_size=max_tokens,
-                frequency_penalty=self._pick(params, "frequency_penalty", None),
+                frequency_penalty=settings.frequency_penalty,
                 frequency_context_size=max_tokens,
             )
         ]
-        # Out-of-range ids are dropped rather than refused: only the engine knows the
-        # vocabulary, and MLX does not bounds-check the scatter that adds the bias.
-        vocab = len(self.tokenizer._tokenizer)
-        bias = {token: value for token, value in (params.logit_bias or {}).items() if 0 <= token < vocab}
-        processors = make_logits_processors(logit_bias=bias) + penalties
+        processors = make_logits_processors(logit_bias=settings.bias) + penalties
         if grammar is not None:
             if self._grammar_tokenizer is None:
                 self._grammar_tokenizer = grammar_tokenizer(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids)
             processors.append(GrammarProcessor(self._grammar_tokenizer, grammar))
         return processors
 
-    def _pick(self, params: TextGenerationTaskParams, name: str, fallback: Any) -> Any:
-        """The request's value, else the model card's recommendation, else `fallback`."""
-        value = getattr(params, name)
-        return value if value is not None else self.card_defaults.get(name, fallback)
-
-    def _sampler(self, params: TextGenerationTaskParams):
+    def _sampler(self, params: TextGenerationTaskParams) -> Any:
         assert self.tokenizer is not None
-        top_k = int(self._pick(params, "top_k", 0))
-        # Keeping the whole vocabulary or more is no filter at all (and mlx-lm's would fail).
-        if top_k >= len(self.tokenizer._tokenizer):
-            top_k = 0
-        return make_sampler(
-            temp=float(self._pick(params, "temperature", 0.7)),
-            top_p=float(self._pick(params, "top_p", 1.0)),
-            min_p=float(self._pick(params, "min_p", 0.0)),
-            top_k=top_k,
-        )
+        settings = sampling_settings(params, self.card_defaults, len(self.tokenizer._tokenizer))
+        # Penalties and bias are logits processors; the sampler sees only these.
+        key = (settings.temperature, settings.top_p, settings.min_p, settings.top_k)
+        if key not in self._samplers:
+            self._samplers[key] = make_sampler(temp=key[0], top_p=key[1], min_p=key[2], top_k=key[3])
+        return self._samplers[key]
 
     def step(self) -> list[ChunkGenerated]:
         if self.group is not None:
             self._apply_ops()
         failed, self._failed = self._failed, []
-        return (failed if not self.is_follower else []) + self._advance_all()
+        chunks = self._scheduler().step()
+        return [] if self.is_follower else failed + chunks
 
-    def _advance_all(self) -> list[ChunkGenerated]:
-        """Every rank runs this on the same requests in the same order (arrival order,
-        the admitted first), so the batch's rows and the collectives agree."""
+    # --- the scheduler's backend ---------------------------------------------------------
+
+    def reserve(self, tokens: int) -> None:
+        pass  # MLX allocates a request's KV as it grows
+
+    def open(self, request: Request, cached: tuple[SavedKV, int] | None) -> int:
         assert self.model is not None
-        running = list(self._requests.values())[:MAX_BATCH]
-        self._batch.keep_only(request.request_id for request in running if request.in_batch)
-        chunks: list[ChunkGenerated] = []
-        # At most PREFILL_STEP prompt tokens a step, oldest first: short prompts arriving
-        # together all prefill in one step, a long one takes a chunk a step.
-        budget = PREFILL_STEP
-        for request in running:
-            if budget > 0 and request.prefilling:
-                before = request.prefilled
-                chunks.append(self._prefill(request, budget))
-                budget -= request.prefilled - before
-        for request in running:
-            if request.prefilling or request.in_batch:
+        work: _Work = request.work
+        held = 0
+        if cached is None:
+            cache = make_prompt_cache(self.model)
+        else:
+            saved, held = cached
+            cache = copy.deepcopy(saved.snapshot)
+            if held < saved.length:
+                trim_prompt_cache(cache, saved.length - held)
+        if self.image_attention:
+            attach_prompt_images(cache, work.vision)
+        work.cache = cache
+        return held
+
+    def chunk_end(self, request: Request, start: int, end: int) -> int:
+        vision: VisionPrompt | None = request.work.vision
+        return end if vision is None else vision.chunk_end(start, end)
+
+    def run(self, rows: list[Row]) -> list[Sampled]:
+        """Prompt chunks first (the batchable ones in one forward), then the requests
+        whose prompt is done join the decode batch (together, one forward), then one
+        batched decode forward; requests on their own take their own forwards."""
+        assert self.model is not None
+        sampled: list[Sampled] = []
+        together: list[tuple[Row, list[int]]] = []
+        joiners: list[Joiner] = []
+        for row in rows:
+            work: _Work = row.request.work
+            if row.request.fed >= len(row.request.prompt):
+                if not work.in_batch:
+                    sampled.append(self._decode_alone(row))
                 continue
-            if request.batchable:
-                last = request.prompt[-1]
-                self._batch.join(
-                    self.model, request.request_id, request.cache, last, request.sampler, request.logits_processors
+            # The prompt's last token is fed by the first decode step, which samples.
+            chunk = row.tokens[:-1] if row.sample else row.tokens
+            if work.batchable and self.group is None:
+                if chunk:
+                    together.append((row, chunk))
+            elif chunk:
+                self._prefill_alone(row, chunk)
+            if row.sample and not work.batchable:
+                sampled.append(self._decode_alone(row))
+        if len(together) == 1:
+            row, chunk = together[0]
+            prefill_chunk(self.model, chunk, row.request.work.cache, self.pipeline_ranks)
+        elif together:
+            caches = prefill_together(
+                self.model, [row.request.work.cache for row, _ in together], [c for _, c in together]
+            )
+            for (row, _), cache in zip(together, caches, strict=True):
+                row.request.work.cache = cache
+        for row in rows:
+            work = row.request.work
+            if row.sample and work.batchable and not work.in_batch:
+                joiners.append(
+                    Joiner(row.request.request_id, work.cache, row.tokens[-1], work.sampler, work.logits_processors)
                 )
-                request.in_batch = True
-            else:
-                chunks.append(self._decode_alone(request))
+                work.in_batch, work.cache = True, []
+        self._batch.join(self.model, joiners)
+        by_id = {row.request.request_id: row.request for row in rows}
         for request_id, token, logprobs in self._batch.step():
-            chunks.append(self._token_chunk(self._requests[request_id], token, logprobs))
-        return chunks
+            request = by_id[request_id]
+            sampled.append(Sampled(request, token, self._logprob(request, token, logprobs)))
+        return sampled
 
-    def _prefill(self, request: _Request, budget: int) -> ChunkGenerated:
+    def _prefill_alone(self, row: Row, chunk: list[int]) -> None:
         assert self.model is not None
-        end = min(request.prefilled + budget, len(request.prompt) - 1)
-        whole_runs = request.vision is not None and request.vision.whole_runs
-        if request.vision is not None:
-            end = request.vision.chunk_end(request.prefilled, end)
+        work: _Work = row.request.work
+        whole_runs = work.vision is not None and work.vision.whole_runs
         prefill_chunk(
             self.model,
-            request.prompt[request.prefilled : end],
-            request.cache,
+            chunk,
+            work.cache,
             # Micro-chunks would cut an image run that must be seen whole.
             1 if whole_runs else self.pipeline_ranks,
-            self._chunk_inputs(request),
-        )
-        request.prefilled = end
-        assert self.prefix_cache is not None
-        self.prefix_cache.remember_boundary(request.key[:end], request.cache)
-        return ChunkGenerated(
-            command_id=request.request_id,
-            prefill=PrefillProgress(processed_tokens=end, total_tokens=len(request.prompt)),
+            self._chunk_inputs(work, row.start),
         )
 
-    def _decode_alone(self, request: _Request) -> ChunkGenerated:
+    def _decode_alone(self, row: Row) -> Sampled:
         assert self.model is not None
-        if request.tokens is None:
-            request.tokens = generate_step(
-                mx.array(request.prompt[-1:]),
+        work: _Work = row.request.work
+        if work.tokens is None:
+            work.tokens = generate_step(
+                mx.array(row.tokens[-1:]),
                 self.model,
-                max_tokens=request.max_tokens,
-                sampler=request.sampler,
-                logits_processors=request.logits_processors or None,
-                prompt_cache=request.cache,
+                max_tokens=row.request.answer.max_tokens,
+                sampler=work.sampler,
+                logits_processors=work.logits_processors or None,
+                prompt_cache=work.cache,
             )
-        token_array, logprobs = next(request.tokens)
+        token_array, logprobs = next(work.tokens)
         token = cast(int, token_array.item()) if isinstance(token_array, mx.array) else int(token_array)
-        return self._token_chunk(request, token, logprobs)
+        return Sampled(row.request, token, self._logprob(row.request, token, logprobs))
 
-    def _token_chunk(self, request: _Request, token: int, logprobs: mx.array) -> ChunkGenerated:
-        if request.first_token_at is None:
-            request.first_token_at = time.perf_counter()
-        request.output.append(token)
-        logprob = None if request.want_logprobs is None else self._logprob(token, logprobs, request.want_logprobs)
-        chunk = request.answer.feed(token, logprob)
-        if chunk.finish_reason is None:
-            return chunk
-        del self._requests[request.request_id]
-        cache = self._batch.leave(request.request_id) if request.in_batch else request.cache
-        assert self.prefix_cache is not None
-        self.prefix_cache.remember_finished(request.key + request.output, cache)
-        return chunk.model_copy(update={"usage": self._usage(request), "stats": self._stats(request)})
+    def snapshot(self, request: Request) -> SavedKV | None:
+        cache: list[Any] = request.work.cache
+        if not cache or can_trim_prompt_cache(cache):
+            return None  # a trimmable cache is cut back to a boundary when one is wanted
+        return _saved(copy.deepcopy(cache), request.fed)
 
-    def _chunk_inputs(self, request: _Request) -> ChunkInputs | None:
-        """For a prompt with images: the inputs of the chunk starting where prefill is."""
-        prompt = request.vision
+    def release(self, request: Request) -> SavedKV | None:
+        """The request's cache for the prefix cache: it holds the prompt and the tokens
+        generated so far (mlx-lm feeds a token before handing it out), as its offset
+        says; one holding a token computed ahead is trimmed back."""
+        work: _Work = request.work
+        cache = self._batch.leave(request.request_id) if work.in_batch else work.cache
+        work.cache, work.tokens, work.in_batch = [], None, False
+        if not cache:
+            return None
+        known = len(request.prompt) + len(request.output)
+        held = max((c.offset for c in cache if hasattr(c, "offset")), default=known)
+        if held > known:
+            if not can_trim_prompt_cache(cache):
+                return None  # where such a cache stopped is not known: not resumable
+            trim_prompt_cache(cache, held - known)
+            held = known
+        return _saved(cache, held)
+
+    def peak_memory(self) -> int:
+        return mx.get_peak_memory()
+
+    def _chunk_inputs(self, work: _Work, offset: int) -> ChunkInputs | None:
+        """For a prompt with images: the inputs of the chunk starting at `offset`."""
+        prompt = work.vision
         if prompt is None:
             return None
         assert self.model is not None
-        inner, offset = inner_model(self.model), request.prefilled
+        inner = inner_model(self.model)
         return lambda start, end: prompt.chunk_inputs(inner, offset + start, offset + end)
 
-    def _logprob(self, token: int, logprobs: mx.array, top: int) -> TokenLogprob:
+    def _logprob(self, request: Request, token: int, logprobs: mx.array) -> TokenLogprob | None:
         """A token's log probability and its top alternatives. Extreme sampling settings
         (a repetition penalty near 0, say) can leave -inf or NaN, which JSON cannot carry;
         those become -9999.0, OpenAI's own floor for a token that cannot be picked."""
+        top = request.want_logprobs
+        if top is None:
+            return None
         assert self.tokenizer is not None
         alternatives = []
         if top > 0:
@@ -548,46 +588,31 @@ class MlxEngine:
             top_logprobs=alternatives,
         )
 
-    def _usage(self, request: _Request) -> Usage:
-        return Usage(
-            prompt_tokens=request.prompt_tokens,
-            completion_tokens=request.answer.generated,
-            reasoning_tokens=request.answer.reasoning_tokens,
-            cached_tokens=request.cached_tokens,
-        )
-
-    def _stats(self, request: _Request) -> GenerationStats:
-        now = time.perf_counter()
-        first = request.first_token_at or now
-        prefill_seconds = max(first - request.submitted_at, 1e-9)
-        decode_seconds = max(now - first, 1e-9)
-        return GenerationStats(
-            prompt_tps=request.prompt_tokens / prefill_seconds,
-            generation_tps=(request.answer.generated - 1) / decode_seconds if request.answer.generated > 1 else 0.0,
-            prompt_tokens=request.prompt_tokens,
-            generation_tokens=request.answer.generated,
-            peak_memory_bytes=mx.get_peak_memory(),
-        )
-
     @property
     def request_counts(self) -> tuple[int, int]:
-        running = min(len(self._requests), MAX_BATCH)
-        return running, len(self._requests) - running
+        return self.scheduler.counts if self.scheduler is not None else (0, 0)
 
     @property
     def has_work(self) -> bool:
-        return bool(self._requests or self._pending_ops)
+        return bool(self._pending_ops) or (self.scheduler is not None and self.scheduler.has_work)
+
+    @property
+    def memory(self) -> RunnerMemory | None:
+        return self.scheduler.memory() if self.scheduler is not None else None
 
     def close(self) -> None:
         if self.group is not None and not self.is_follower:
             self._pending_ops.append(StopFollowers())
             self._apply_ops()
-        self._requests.clear()
         self._batch = DecodeBatch()
         self.model = None
         self.tokenizer = None
-        self.prefix_cache = None
+        self.scheduler = None
         self.vision = None
+
+
+def _saved(cache: list[Any], length: int) -> SavedKV:
+    return SavedKV(cache, length, sum(c.nbytes for c in cache), can_trim_prompt_cache(cache))
 
 
 def _json_logprob(value: mx.array) -> float:

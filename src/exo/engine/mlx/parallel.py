@@ -235,3 +235,12 @@ def broadcast_bytes(payload: bytes | None, group: mx.distributed.Group, stream: 
     data = mx.array(list(payload), dtype=mx.int32) if is_root and payload else mx.zeros((n,), dtype=mx.int32)
     total = mx.distributed.all_sum(data, group=group, stream=stream)
     return _ring_open(bytes(cast(list[int], total.astype(mx.uint8).tolist())))
+
+
+def agree_on_minimum(value: int, group: mx.distributed.Group, stream: Any) -> int:
+    """The smallest of every rank's `value` (below 2**31), on every rank: one all-sum of
+    a vector holding each rank's value at its own index."""
+    values = mx.zeros((group.size(),), dtype=mx.int32)
+    values[group.rank()] = min(value, (1 << 31) - 1)
+    every = mx.distributed.all_sum(values, group=group, stream=stream)
+    return min(cast(list[int], every.tolist()))

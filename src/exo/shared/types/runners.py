@@ -47,9 +47,26 @@ class PrefixCacheStats(FrozenModel):
     cached_tokens: int = 0
 
 
+class RunnerMemory(FrozenModel):
+    """A serving runner's memory budget and what holds it. The budget is the device's
+    memory for this runner (Metal's working set, the CUDA device's memory, RAM on a CPU
+    node) less its weights and one step's activations; the KV of running requests and
+    the prefix cache share it, counted in tokens (`kv_tokens` fit)."""
+
+    budget_bytes: int = 0
+    weights_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    kv_tokens: int = 0
+    # Held for the running requests: each one's prompt and whole answer.
+    reserved_tokens: int = 0
+    prefix_cache_tokens: int = 0
+    prefix_cache_bytes: int = 0
+
+
 class RunnerReady(FrozenModel):
     kind: Literal["RunnerReady"] = "RunnerReady"
     prefix_cache: PrefixCacheStats | None = None
+    memory: RunnerMemory | None = None
 
 
 class RunnerRunning(FrozenModel):
@@ -59,6 +76,7 @@ class RunnerRunning(FrozenModel):
     active_tasks: int = 1
     queued_tasks: int = 0
     prefix_cache: PrefixCacheStats | None = None
+    memory: RunnerMemory | None = None
 
 
 class RunnerShuttingDown(FrozenModel):
