@@ -3,6 +3,8 @@ same way on every node of a cluster)."""
 
 import os
 
+import psutil
+
 # max_tokens when a request gives none.
 DEFAULT_MAX_TOKENS = 1024
 # Requests stepped together; later ones wait in arrival order.
@@ -38,3 +40,12 @@ def memory_budget_override() -> int | None:
 # Of the device's memory, the share a runner budgets for: the rest is the OS's and other
 # processes' (on a Mac and a CPU node the memory is shared).
 MEMORY_FRACTION = float(os.environ.get("EXO_MEMORY_FRACTION", "0.85"))
+
+
+def ram_budget(weights_bytes: int) -> int:
+    """Bytes a runner on a CPU node may use, weights included: EXO_MEMORY_BUDGET_MB, else
+    its share of the RAM nothing else uses now plus its weights (already loaded)."""
+    override = memory_budget_override()
+    if override is not None:
+        return override
+    return int(psutil.virtual_memory().available * MEMORY_FRACTION) + weights_bytes

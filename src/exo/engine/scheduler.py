@@ -121,13 +121,13 @@ class Budget:
     kv_tokens: int  # KV of running requests and the prefix cache together
     step_tokens: int  # tokens fed per step (prompt chunks and decode tokens)
     prefix_cache_tokens: int  # the prefix cache alone, at most
+    # Of kv_tokens the running requests may hold at most this many (llama.cpp's context
+    # cells; its prefix cache lives outside them). None: all of them.
+    context_tokens: int | None = None
     # Query-key pairs of attention one step's prompt chunks may compute (each chunk's
     # length times the positions it attends to), where the scores are materialized;
     # None: no limit.
     step_area: int | None = None
-    # Copies of a running request's KV the backend may hold at once (MLX grows a cache
-    # by concatenation: the old buffer and the new are both alive for a moment).
-    kv_copies: int = 1
     # For /state only: what the device gives this runner and what a token costs.
     budget_bytes: int = 0
     weights_bytes: int = 0
@@ -148,12 +148,11 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a request. Raises ValueError when its prompt can never fit; caps its
         answer to the room it can have."""
-        fits = self.budget.kv_tokens // self.budget.kv_copies
-        room = fits - len(request.prompt)
+        room = self.running_tokens - len(request.prompt)
         if room < 1:
             raise ValueError(
                 f"the prompt's {len(request.prompt)} tokens do not fit: this instance holds "
-                f"{fits} tokens of prompt and answer at most"
+                f"{self.running_tokens} tokens of prompt and answer at most"
             )
         # An answer ends ("length") where its room does, not in an error.
         request.answer.max_tokens = min(request.answer.max_tokens, room)
@@ -167,14 +166,18 @@ class Scheduler:
         if request is not None:
             self._finish(request)
 
-    def shrink(self, kv_tokens: int) -> None:
-        """Fewer tokens fit than the budget said (a backend that could not grow): every
+    @property
+    def running_tokens(self) -> int:
+        """The most tokens of KV the running requests may hold together."""
+        return min(self.budget.kv_tokens, self.budget.context_tokens or self.budget.kv_tokens)
+
+    def shrink(self, context_tokens: int) -> None:
+        """Fewer tokens fit than the budget said (a context that could not grow): every
         answer, queued or running, is capped to its room in the new one."""
-        self.budget = replace(self.budget, kv_tokens=kv_tokens)
-        fits = kv_tokens // self.budget.kv_copies
+        self.budget = replace(self.budget, context_tokens=context_tokens)
         for request in [*self._running.values(), *self._queue.values()]:
             answer = request.answer
-            answer.max_tokens = max(1, min(answer.max_tokens, fits - len(request.prompt)))
+            answer.max_tokens = max(1, min(answer.max_tokens, self.running_tokens - len(request.prompt)))
 
     @property
     def counts(self) -> tuple[int, int]:
@@ -191,6 +194,7 @@ class Scheduler:
             weights_bytes=self.budget.weights_bytes,
             kv_bytes_per_token=self.budget.kv_bytes_per_token,
             kv_tokens=self.budget.kv_tokens,
+            running_tokens=self.running_tokens,
             reserved_tokens=self._reserved,
             prefix_cache_tokens=self.prefix_cache.held_tokens,
             prefix_cache_bytes=self.prefix_cache.held_bytes,
@@ -231,8 +235,8 @@ class Scheduler:
         prompt is not starved by short ones."""
         while self._queue and len(self._running) < limits.MAX_BATCH:
             request = next(iter(self._queue.values()))
-            need = (len(request.prompt) + request.answer.max_tokens) * self.budget.kv_copies
-            if self._reserved + need > self.budget.kv_tokens and self._running:
+            need = len(request.prompt) + request.answer.max_tokens
+            if self._reserved + need > self.running_tokens and self._running:
                 return
             # The last prompt token is always fed: its logits start the answer.
             cached = self.prefix_cache.find(request.key[: len(request.prompt) - 1])
@@ -252,29 +256,45 @@ class Scheduler:
         """Every decoding request's last token, then prompt chunks oldest first, within
         the step's tokens and attention area (the first chunk takes a token at least)."""
         budget = self.budget.step_tokens
-        area = self.budget.step_area
         for request in self._running.values():
             if not request.prefilling:
                 budget -= 1
                 yield Row(request, request.output[-1:], request.fed, True)
-        first = True
+        chunks: list[tuple[int, int]] = []  # (length, end) of the chunks planned
         for request in self._running.values():
-            if budget <= 0 or (area is not None and area <= 0 and not first):
+            if budget <= 0:
                 return
             if not request.prefilling:
                 continue
             start = request.fed
-            length = min(budget, len(request.prompt) - start)
-            if area is not None:
-                while length > 1 and length * (start + length) > area:
-                    length = max(1, min(length - 1, area // (start + length)))
-                if length * (start + length) > area and not first:
-                    return
-                area -= length * (start + length)
+            length = self._chunk_length(chunks, start, min(budget, len(request.prompt) - start))
+            if length == 0:
+                return
             end = self.backend.chunk_end(request, start, start + length)
             budget -= end - start
-            first = False
+            chunks.append((end - start, end))
             yield Row(request, request.prompt[start:end], start, end == len(request.prompt))
+
+    def _chunk_length(self, chunks: list[tuple[int, int]], start: int, longest: int) -> int:
+        """The longest chunk from `start`, at most `longest`, that keeps the step's chunks
+        within its attention area, counted as a batch padded to one length: rows x the
+        longest chunk x the deepest end. 0 when none fits beside `chunks`."""
+        area = self.budget.step_area
+        if area is None:
+            return longest
+
+        def cost(length: int) -> int:
+            widest = max([length, *(chunk for chunk, _ in chunks)])
+            deepest = max([start + length, *(end for _, end in chunks)])
+            return (len(chunks) + 1) * widest * deepest
+
+        if cost(longest) <= area:
+            return longest
+        low, high = 0, longest  # cost(low) fits (or low is 0), cost(high) does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if cost(middle) <= area else (low, middle)
+        return low if low > 0 or chunks else 1
 
     # --- answers -----------------------------------------------------------------------
 

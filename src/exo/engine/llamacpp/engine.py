@@ -147,26 +147,36 @@ class LlamaCppEngine:
             offload_layers=n_layers - shard.end_layer,
             split=[float(n) for n in self.follower_layers],
         )
-        self.max_context = min(shard.model_card.context_length or 4096, MAX_CONTEXT)
         self.f32_kv = keeps_f32_cache(config)
         self.kv_width = _kv_width(config)
+        kv_bytes_per_token = 2 * self.model.n_layers * self.kv_width * (4 if self.f32_kv else 2)
+        weights = gguf.stat().st_size
+        # The context's cells bound the running requests: the card's context, at most
+        # what the node's memory holds beside the weights (the prefix cache's snapshots
+        # share it).
+        budget = limits.ram_budget(weights) - weights
+        fit = budget // kv_bytes_per_token
+        if fit < FIRST_CONTEXT:
+            raise RuntimeError(
+                f"{weights >> 20} MB of weights leave {max(0, budget) >> 20} MB of this node's memory budget: "
+                f"too little for a context of {FIRST_CONTEXT} tokens"
+            )
+        self.max_context = min(shard.model_card.context_length or 4096, MAX_CONTEXT, fit)
         # A split's KV is partly on the followers: moving it to a larger context would
         # read and write it over RPC, so a split starts at its full size.
         first = self.max_context if self.endpoints else min(FIRST_CONTEXT, self.max_context)
         self.context = self._new_context(first)
         self._free_sequences = list(range(limits.MAX_BATCH - 1, -1, -1))
-        kv_bytes_per_token = 2 * self.model.n_layers * self.kv_width * (4 if self.f32_kv else 2)
         self.scheduler = Scheduler(
             self,
             Budget(
-                # The context's cells bound the running requests; the prefix cache's
-                # snapshots share the node's memory with them.
-                kv_tokens=self.max_context,
+                kv_tokens=fit,
+                context_tokens=self.max_context,
                 step_tokens=self.step_tokens,
-                prefix_cache_tokens=limits.PREFIX_CACHE_BYTES // kv_bytes_per_token,
-                weights_bytes=gguf.stat().st_size,
+                prefix_cache_tokens=min(limits.PREFIX_CACHE_BYTES, budget) // kv_bytes_per_token,
+                weights_bytes=weights,
                 kv_bytes_per_token=kv_bytes_per_token,
-                budget_bytes=self.max_context * kv_bytes_per_token,
+                budget_bytes=budget,
             ),
         )
         logger.info(

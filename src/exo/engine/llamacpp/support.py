@@ -8,7 +8,7 @@ from pathlib import Path
 
 from exo.engine.llamacpp.gguf_convert import supports
 from exo.shared.models.model_cards import ModelCard
-from exo.shared.types.instances import EngineKind, Sharding
+from exo.shared.types.instances import Sharding
 
 _FLOAT = {"", "bf16", "fp16", "f16", "fp32", "f32"}
 

@@ -123,4 +123,7 @@ class DecodeBatch:
         with mx.stream(generation_stream):
             cache = self._batch.extract_cache(index)
             self._batch.filter([i for i in range(len(self._batch)) if i != index])
+            # Now, or the slice would keep the whole batch's buffers alive for as long
+            # as the prefix cache keeps it.
+            mx.eval([layer.state for layer in cache])
         return cache

@@ -259,7 +259,6 @@ class MlxEngine:
             step_tokens=step,
             prefix_cache_tokens=limits.PREFIX_CACHE_BYTES // per_token,
             step_area=area,
-            kv_copies=2,
             budget_bytes=spare,
             weights_bytes=weights,
             kv_bytes_per_token=per_token,

@@ -57,6 +57,9 @@ class RunnerMemory(FrozenModel):
     weights_bytes: int = 0
     kv_bytes_per_token: int = 0
     kv_tokens: int = 0
+    # The most a prompt and its answer can be: the running requests' share of kv_tokens
+    # (on llama.cpp, its context's cells).
+    running_tokens: int = 0
     # Held for the running requests: each one's prompt and whole answer.
     reserved_tokens: int = 0
     prefix_cache_tokens: int = 0

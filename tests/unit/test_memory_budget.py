@@ -1,0 +1,78 @@
+"""A runner's memory budget, on the real MLX engine in this process: with the budget set
+to N MB (EXO_MEMORY_BUDGET_MB, in place of the device's memory), 16 prompts of ~2,000
+tokens submitted together are all answered in full while MLX's peak memory stays within
+N + 10%: the later ones wait in the queue until the earlier ones' KV is freed, and the
+prefix cache gives its entries up for them. A prompt larger than the budget allows is
+refused with the number of tokens that fit; one that fits only alone waits its turn."""
+
+import mlx.core as mx
+import pytest
+
+from exo.devtools.tiny_models import make_tiny_llama
+from exo.engine.mlx.engine import MlxEngine
+from exo.shared.types.common import CommandId, ModelId
+from exo.shared.types.text_generation import TextGenerationTaskParams
+from tests.support.engine import load_engine
+
+BUDGET_MB = 96
+PROMPT_TOKENS = 2000
+ANSWER_TOKENS = 16
+REQUESTS = 16
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> MlxEngine:
+    # 4 KB of float32 KV a token: a 2,016-token request holds ~8 MB, all 16 ~130 MB.
+    model_dir = make_tiny_llama(
+        tmp_path_factory.mktemp("budget") / "llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EXO_MEMORY_BUDGET_MB", str(BUDGET_MB))
+        return load_engine(model_dir)
+
+
+def _params(index: int, length: int) -> TextGenerationTaskParams:
+    prompt = [(7 * index + 13 * position) % 500 + 3 for position in range(length)]
+    return TextGenerationTaskParams(
+        model=ModelId("test/model"),
+        messages=[],
+        prompt=prompt,
+        max_tokens=ANSWER_TOKENS,
+        temperature=0.0,
+        logit_bias={2: -100.0},
+    )
+
+
+def test_sixteen_long_prompts_stay_within_the_budget_and_all_finish(engine: MlxEngine):
+    assert engine.scheduler is not None
+    budget = engine.scheduler.budget
+    print(f"budget: {budget}")
+    fit_at_once = budget.kv_tokens // (PROMPT_TOKENS + ANSWER_TOKENS)
+    assert 1 <= fit_at_once < REQUESTS, "the budget should hold some of the requests, not all"
+    mx.reset_peak_memory()
+    for index in range(REQUESTS):
+        engine.submit(CommandId(f"r{index}"), _params(index, PROMPT_TOKENS))
+    finished: dict[str, str] = {}
+    generated: dict[str, int] = {}
+    most_running = 0
+    while engine.has_work:
+        running, queued = engine.request_counts
+        most_running = max(most_running, running)
+        for chunk in engine.step():
+            generated[chunk.command_id] = generated.get(chunk.command_id, 0) + len(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                finished[chunk.command_id] = chunk.finish_reason
+    peak = mx.get_peak_memory()
+    print(f"peak {peak / 2**20:.1f} MiB of a {BUDGET_MB} MiB budget; at most {most_running} running at once")
+    assert finished == {f"r{index}": "length" for index in range(REQUESTS)}
+    assert all(count == ANSWER_TOKENS for count in generated.values())
+    assert most_running == fit_at_once
+    assert peak <= BUDGET_MB * 1.1 * 2**20
+
+
+def test_a_prompt_larger_than_the_budget_is_refused_with_what_fits(engine: MlxEngine):
+    assert engine.scheduler is not None
+    fits = engine.scheduler.budget.kv_tokens
+    with pytest.raises(ValueError, match=f"holds {fits} tokens"):
+        engine.submit(CommandId("huge"), _params(0, fits + 1))
+    assert not engine.has_work
