@@ -267,3 +267,27 @@ def test_a_logits_row_is_read_where_it_was_asked_and_refused_where_not(engine: L
             context.logits(0)
     finally:
         context.remove(limits.MAX_BATCH - 1)
+
+
+def test_prompts_beyond_the_context_wait_for_room_and_all_finish(engine: LlamaCppEngine):
+    """8 prompts of 1,024 tokens on a model whose context is 4,096: admission holds each
+    running request's prompt and answer in the context's cells, so three run at once and
+    the others wait in the queue; every one is answered in full, none fails."""
+    assert engine.max_context == 4096
+    requests = {
+        f"r{i}": params("", 16).model_copy(update={"messages": [], "prompt": [5 + i] * 1024, "logit_bias": {1: -100.0}})
+        for i in range(8)
+    }
+    for name, request in requests.items():
+        engine.submit(CommandId(name), request)
+    most_running, chunks = 0, {name: [] for name in requests}
+    while engine.has_work:
+        running, queued = engine.request_counts
+        most_running = max(most_running, running)
+        assert running + queued <= 8
+        for chunk in engine.step():
+            chunks[chunk.command_id].append(chunk)
+    assert most_running == 3
+    for name in requests:
+        assert chunks[name][-1].finish_reason == "length", chunks[name][-1]
+        assert len(tokens(chunks[name])) == 16
