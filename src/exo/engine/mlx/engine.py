@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, assert_never, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from loguru import logger
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -264,6 +265,10 @@ class MlxEngine:
             kv_bytes_per_token=per_token,
         )
         limit_buffer_cache(activations + scores)
+        logger.info(
+            f"memory budget: {spare >> 20} MiB beside {weights >> 20} MiB of weights and {activations >> 20} MiB "
+            f"of activations; {kv_tokens} tokens of KV at {per_token} bytes each"
+        )
 
     def _scheduler(self) -> Scheduler:
         assert self.scheduler is not None, "load() first"
