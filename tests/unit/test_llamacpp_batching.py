@@ -125,6 +125,7 @@ def test_admission_stops_at_max_batch(engine: LlamaCppEngine, monkeypatch: pytes
     stepped: set[str] = set()
     for chunk in engine.step():
         stepped.add(chunk.command_id)
+    assert engine.request_counts == (2, 2)
     assert stepped == {"r0", "r1"}
     while engine.has_work:
         engine.step()

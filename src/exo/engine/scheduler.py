@@ -156,8 +156,9 @@ class Scheduler:
             )
         # An answer ends ("length") where its room does, not in an error.
         request.answer.max_tokens = min(request.answer.max_tokens, room)
+        # Admitted at the next step, with whatever else arrives before it: the backend
+        # then makes room for them all at once (llama.cpp grows its context once).
         self._queue[request.request_id] = request
-        self._admit()
 
     def cancel(self, request_id: CommandId) -> None:
         if self._queue.pop(request_id, None) is not None:
@@ -181,8 +182,9 @@ class Scheduler:
 
     @property
     def counts(self) -> tuple[int, int]:
-        """Requests running, and requests waiting for room."""
-        return len(self._running), len(self._queue)
+        """Requests running (or admitted at the next step), and requests waiting for room."""
+        starting = len(self._admissible())
+        return len(self._running) + starting, len(self._queue) - starting
 
     @property
     def has_work(self) -> bool:
@@ -233,20 +235,34 @@ class Scheduler:
     def _admit(self) -> None:
         """Oldest first; one that does not fit holds the later ones back, so a long
         prompt is not starved by short ones."""
-        while self._queue and len(self._running) < limits.MAX_BATCH:
-            request = next(iter(self._queue.values()))
-            need = len(request.prompt) + request.answer.max_tokens
-            if self._reserved + need > self.running_tokens and self._running:
-                return
+        admitted = self._admissible()
+        if not admitted:
+            return
+        for request in admitted:
+            request.reserved = len(request.prompt) + request.answer.max_tokens
+            self._reserved += request.reserved
+        self.backend.reserve(self._reserved)
+        for request in admitted:
             # The last prompt token is always fed: its logits start the answer.
             cached = self.prefix_cache.find(request.key[: len(request.prompt) - 1])
-            self._reserved += need
             self._fit_prefix_cache(keep=cached[0] if cached else None)
-            self.backend.reserve(self._reserved)
             request.fed = request.cached_tokens = self.backend.open(request, cached)
-            request.reserved = need
             del self._queue[request.request_id]
             self._running[request.request_id] = request
+
+    def _admissible(self) -> list[Request]:
+        """The queued requests the next step admits."""
+        admissible: list[Request] = []
+        reserved = self._reserved
+        for request in self._queue.values():
+            if len(self._running) + len(admissible) >= limits.MAX_BATCH:
+                break
+            need = len(request.prompt) + request.answer.max_tokens
+            if reserved + need > self.running_tokens and (self._running or admissible):
+                break
+            reserved += need
+            admissible.append(request)
+        return admissible
 
     def _fit_prefix_cache(self, keep: SavedKV | None = None) -> None:
         room = min(self.budget.prefix_cache_tokens, self.budget.kv_tokens - self._reserved)
