@@ -60,7 +60,10 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
     # The same machine twice under another node id: two nodes on one host share a name.
     node_id = exo_node.node_id()
     twin_id = "0123abcd" + node_id[8:]
-    twin_state = {**state, "nodes": {**state["nodes"], twin_id: {**state["nodes"][node_id], "nodeId": twin_id}}}
+    # The twin has an NVIDIA GPU (NodeInfo's gpus, as nvidia-smi reports it).
+    h100 = {"name": "NVIDIA H100 80GB HBM3", "totalBytes": 80 * 2**30, "freeBytes": 60 * 2**30}
+    twin = {**state["nodes"][node_id], "nodeId": twin_id, "gpus": [h100]}
+    twin_state = {**state, "nodes": {**state["nodes"], twin_id: twin}}
     links = [
         {"source": node_id, "sink": twin_id, "sinkIp": "10.0.0.2", "latencyMs": 1.5, "bandwidthMbps": 900.0},
         {"source": twin_id, "sink": node_id, "sinkIp": "10.0.0.1", "latencyMs": 2.25, "bandwidthMbps": 800.0},
@@ -104,6 +107,9 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
     name = state["nodes"][node_id]["friendlyName"]
     assert node["name"] == name
     assert sorted(n["name"] for n in shown["twinNodes"]) == sorted([f"{name} ({node_id[:8]})", f"{name} (0123abcd)"])
+    [twin_row] = [n for n in shown["twinNodes"] if n["nodeId"] == twin_id]
+    assert twin_row["gpus"] == [{"name": h100["name"], "used": 20 * 2**30, "total": 80 * 2**30, "percent": 25}]
+    assert len(node["gpus"]) == len(state["nodes"][node_id].get("gpus", []))
     topology = shown["twinTopology"]
     master = next(n for n in topology["nodes"] if n["isMaster"])
     assert master["nodeId"] == node_id and master["y"] < 150  # the master is drawn at the top
@@ -124,6 +130,11 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
 
     assert any(p["fits"] and p["verdict"] == "fits" for p in shown["previews"])
     assert all(p["fits"] or p["verdict"] != "fits" for p in shown["previews"])
+    # A CUDA node's share is measured against its GPU's memory, and the row says so.
+    [on_gpu] = shown["gpuPreviews"]
+    assert on_gpu["memory"].endswith(" GPU")
+    on_this_node = previews[0]["memoryKind"][node_id]
+    assert shown["previews"][0]["memory"].endswith(" GPU") == (on_this_node == "gpu")
 
     reply = shown["reply"]
     assert reply["done"] and shown["leftover"] == ""

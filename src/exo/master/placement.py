@@ -5,11 +5,13 @@ reaches the next and the next reaches it back, last to first included), because 
 ring backend talks to both neighbours. A candidate fits when every node has room for its
 share of the weights, its share of the KV cache for the whole context, and a fixed
 runtime overhead. Among fitting candidates: fewer nodes first, then faster links, then
-more free memory.
+more free memory. A node's memory is its free RAM, except on a CUDA node, where MLX holds
+weights and cache in the GPU's own memory: there it is the GPU's free memory.
 """
 
 from collections.abc import Iterable, Iterator
 from itertools import combinations
+from typing import Literal
 
 from exo.engine.llamacpp.support import mlx_reason
 from exo.shared.models.families import family_facts
@@ -29,6 +31,7 @@ from exo.shared.types.instances import (
     ShardAssignments,
     Sharding,
 )
+from exo.shared.types.nodes import NodeInfo
 from exo.shared.types.shards import (
     PipelineShardMetadata,
     ShardMetadata,
@@ -55,6 +58,8 @@ RING_PORT_SPAN = 1000
 MAX_REASONS_IN_ERROR = 8
 
 Links = dict[tuple[NodeId, NodeId], Connection]
+# What a node's share of an instance must fit in: free RAM, or a CUDA GPU's free memory.
+MemoryKind = Literal["ram", "gpu"]
 
 
 # What a missing link (or one way only) most often means: a node that just joined, whose
@@ -76,6 +81,8 @@ class PlacementPreview(FrozenModel):
     node_ids: list[NodeId]
     memory_needed_bytes: dict[NodeId, int]
     memory_available_bytes: dict[NodeId, int] = {}
+    # What memory_available_bytes counts on each node.
+    memory_kind: dict[NodeId, MemoryKind] = {}
     context_length: int | None = None
     instance: Instance | None = None
     error: str | None = None
@@ -161,8 +168,19 @@ def split_layers(n_layers: int, weights: list[int], tail_start: int | None = Non
 
 def _worker_nodes(state: State) -> list[NodeId]:
     """Nodes that run a worker, capped at the ones with the most free memory."""
-    by_memory = sorted(state.nodes, key=lambda n: (-state.nodes[n].memory.available_bytes, n))
+    by_memory = sorted(state.nodes, key=lambda n: (-free_memory(state.nodes[n])[0], n))
     return sorted(by_memory[:MAX_PLACEMENT_NODES])
+
+
+def free_memory(info: NodeInfo) -> tuple[int, MemoryKind]:
+    """The free memory a node's share of an instance must fit in, and which memory that
+    is. MLX on CUDA computes on one GPU (the first the driver lists) and keeps weights and
+    cache in its memory; on Apple silicon Metal's working set is the unified memory,
+    which is the RAM; on a CPU, and for llama.cpp, it is the RAM too. A CUDA node that
+    could not report its GPU is judged by its RAM."""
+    if info.backend == "cuda" and info.engine == EngineKind.Mlx and info.gpus:
+        return info.gpus[0].free_bytes, "gpu"
+    return info.memory.available_bytes, "ram"
 
 
 def _links(topology: Topology) -> Links:
@@ -259,7 +277,9 @@ def _preview(
     context: int,
 ) -> PlacementPreview:
     n = len(ring)
-    available = {node_id: state.nodes[node_id].memory.available_bytes for node_id in ring}
+    memory = {node_id: free_memory(state.nodes[node_id]) for node_id in ring}
+    available = {node_id: free for node_id, (free, _) in memory.items()}
+    kinds: dict[NodeId, MemoryKind] = {node_id: kind for node_id, (_, kind) in memory.items()}
     layer_ranges = _layer_ranges(card, sharding, [available[node_id] for node_id in ring])
     needed = {
         node_id: _bytes_needed(card, context, end - start, n if sharding == Sharding.Tensor else 1)
@@ -273,7 +293,7 @@ def _preview(
             no_ring_reason,
             _mixed_engines_reason(state, ring),
             _structure_reason(card, sharding, n),
-            _memory_reason(card, context, ring, layer_ranges, needed, available, sharding),
+            _memory_reason(state, card, context, ring, layer_ranges, needed, sharding),
         )
         if reason is not None
     ]
@@ -283,6 +303,7 @@ def _preview(
         node_ids=ring,
         memory_needed_bytes=needed,
         memory_available_bytes=available,
+        memory_kind=kinds,
         context_length=context,
     )
     if reasons:
@@ -364,25 +385,30 @@ def _structure_reason(card: ModelCard, sharding: Sharding, n: int) -> str | None
 
 
 def _memory_reason(
+    state: State,
     card: ModelCard,
     context: int,
     ring: list[NodeId],
     layer_ranges: list[tuple[int, int]],
     needed: dict[NodeId, int],
-    available: dict[NodeId, int],
     sharding: Sharding,
 ) -> str | None:
     ways = len(ring) if sharding == Sharding.Tensor else 1
     short = []
     for rank, (node_id, (start, end)) in enumerate(zip(ring, layer_ranges, strict=True)):
-        if needed[node_id] <= available[node_id]:
+        info = state.nodes[node_id]
+        available, kind = free_memory(info)
+        if needed[node_id] <= available:
             continue
         fraction = (end - start) / card.n_layers / ways
         weights = _layer_weight_bytes(card) * fraction
         kv = kv_cache_bytes(card, context) * fraction
         tower = f" + {_gib(card.vision_bytes)} vision tower" if rank == 0 and card.vision_bytes else ""
+        free = f"{_gib(available)} free"
+        if kind == "gpu":
+            free = f"{_gib(available)} of GPU memory free ({info.gpus[0].name})"
         short.append(
-            f"node {node_id} has {_gib(available[node_id])} free, needs {_gib(needed[node_id])} "
+            f"node {node_id} has {free}, needs {_gib(needed[node_id])} "
             f"({_gib(weights)} weights + {_gib(kv)} KV cache for {context} tokens{tower}"
             f" + {_gib(RUNTIME_OVERHEAD_BYTES)} runtime)"
         )

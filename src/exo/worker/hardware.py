@@ -17,11 +17,16 @@ from pathlib import Path
 from loguru import logger
 
 from exo.shared.types.instances import EngineKind
+from exo.shared.types.nodes import GpuInfo
 
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 # Asked in a child so the node process never loads MLX (its import alone is ~200 MB).
 CUDA_PROBE = "import mlx.core as mx; print(mx.cuda.is_available())"
 CUDA_PROBE_TIMEOUT_S = 60
+GPU_QUERY = ["nvidia-smi", "--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,nounits"]
+# Asked every few seconds for NodeInfo; a wedged driver must not hold the report up.
+GPU_QUERY_TIMEOUT_S = 5
+MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,42 @@ def _mlx_sees_cuda() -> bool:
         logger.warning(f"could not ask MLX whether it sees the NVIDIA GPU: {error}")
         return False
     return done.returncode == 0 and done.stdout.strip() == "True"
+
+
+def nvidia_gpus(hardware: Hardware) -> list[GpuInfo]:
+    """The NVIDIA GPUs' names and memory from nvidia-smi, which answers without a CUDA
+    context (MLX is never loaded here); empty where the driver lists no GPU or nvidia-smi
+    does not answer."""
+    if not hardware.nvidia_gpu:
+        return []
+    try:
+        done = subprocess.run(GPU_QUERY, capture_output=True, text=True, timeout=GPU_QUERY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        _warn_once(f"could not ask nvidia-smi for the GPUs' memory: {error}")
+        return []
+    if done.returncode != 0:
+        _warn_once(f"nvidia-smi failed (exit code {done.returncode}): {done.stderr.strip()[:200]}")
+        return []
+    return parse_gpu_query(done.stdout)
+
+
+def parse_gpu_query(output: str) -> list[GpuInfo]:
+    """GPU_QUERY's lines, "name, total MiB, free MiB"; a line that does not read so (a
+    value "[N/A]", an error) is left out."""
+    gpus = []
+    for line in output.splitlines():
+        fields = [field.strip() for field in line.rsplit(",", 2)]
+        if len(fields) != 3 or not fields[0] or not fields[1].isdigit() or not fields[2].isdigit():
+            continue
+        name, total_mib, free_mib = fields
+        gpus.append(GpuInfo(name=name, total_bytes=int(total_mib) * MIB, free_bytes=int(free_mib) * MIB))
+    return gpus
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    """NodeInfo is gathered every few seconds: say what is wrong once, not each time."""
+    logger.warning(message)
 
 
 def mlx_backend(hardware: Hardware) -> str:

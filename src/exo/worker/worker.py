@@ -55,7 +55,7 @@ from exo.worker.download import DownloadError, download_model
 from exo.worker.download.hub import PEER_HUB_PREFIX
 from exo.worker.download.progress_log import ConsoleProgress, eta_seconds
 from exo.worker.download.verify import PARTIAL_SUFFIX
-from exo.worker.hardware import mlx_backend, probe
+from exo.worker.hardware import mlx_backend, nvidia_gpus, probe
 from exo.worker.images import peer_api, with_image_bytes
 from exo.worker.link_probes import PROBE_TIMEOUT_SECONDS, local_interfaces, probe_peer, worth_reporting
 from exo.worker.planner import (
@@ -169,7 +169,10 @@ class Worker:
             # or when anything else differs: a node restarted on its old home with another
             # API port or engine is known from its event log as it was.
             if known is None or due:
-                info = gather_node_info(self.node_id, self.exo_home, self.api_port, self.engine, self.sealed)
+                # In a thread: nvidia-smi may take a moment to answer.
+                info = await asyncio.to_thread(
+                    gather_node_info, self.node_id, self.exo_home, self.api_port, self.engine, self.sealed
+                )
                 if known is None or _differs(known, info):
                     self.emit(NodeGatheredInfo(info=info))
                 last_sent = time.monotonic()
@@ -465,15 +468,17 @@ def gather_node_info(
     node_id: NodeId, exo_home: Path, api_port: int, engine: EngineKind = EngineKind.Mlx, sealed: bool = False
 ) -> NodeInfo:
     memory = psutil.virtual_memory()
+    hardware = probe()
     return NodeInfo(
         node_id=node_id,
         friendly_name=socket.gethostname(),
         os=f"{platform.system()} {platform.machine()}",
-        backend=mlx_backend(probe()),
+        backend=mlx_backend(hardware),
         engine=engine,
         sealed=sealed,
         cpu_count=psutil.cpu_count() or 1,
         memory=MemoryInfo(total_bytes=memory.total, available_bytes=memory.available),
+        gpus=nvidia_gpus(hardware),
         disk_available_bytes=download_free_bytes(exo_home),
         api_port=api_port,
         interfaces=local_interfaces(),
@@ -481,8 +486,20 @@ def gather_node_info(
 
 
 def _differs(known: NodeInfo, info: NodeInfo) -> bool:
-    """Whether a fresh gathering is worth an event: memory that moved a lot, or any change
-    but the wobble of free memory and disk."""
-    moved = abs(info.memory.available_bytes - known.memory.available_bytes) > MEMORY_REPORT_THRESHOLD_BYTES
-    steady = info.model_copy(update={"memory": known.memory, "disk_available_bytes": known.disk_available_bytes})
-    return moved or steady != known
+    """Whether a fresh gathering is worth an event: free memory (RAM or a GPU's) that
+    moved a lot, or any change but the wobble of free memory and disk."""
+    free = [info.memory.available_bytes, *(gpu.free_bytes for gpu in info.gpus)]
+    known_free = [known.memory.available_bytes, *(gpu.free_bytes for gpu in known.gpus)]
+    pairs = zip(free, known_free, strict=False)
+    moved = any(abs(now - before) > MEMORY_REPORT_THRESHOLD_BYTES for now, before in pairs)
+    return moved or _without_free(info) != _without_free(known)
+
+
+def _without_free(info: NodeInfo) -> NodeInfo:
+    return info.model_copy(
+        update={
+            "memory": info.memory.model_copy(update={"available_bytes": 0}),
+            "gpus": [gpu.model_copy(update={"free_bytes": 0}) for gpu in info.gpus],
+            "disk_available_bytes": 0,
+        }
+    )

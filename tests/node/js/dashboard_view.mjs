@@ -89,6 +89,7 @@ console.log(
     summary: view.clusterSummary(state),
     downloads: view.downloadRows(state),
     previews: view.previewRows(state, previews),
+    gpuPreviews: view.previewRows(state, [{ ...previews[0], memoryKind: { [nodeId]: "gpu" } }]),
     fit: view.fitSummary(state, previews),
     catalog: view.catalogRows(cards, state, "tiny", "all"),
     downloadedCatalog: view.catalogRows(cards, state, "", "downloaded").map((r) => r.id),

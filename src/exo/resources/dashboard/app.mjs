@@ -125,7 +125,8 @@ function renderCluster(state) {
   renderTopology(state);
   const instances = instanceRows(state);
   const nodes = nodeRows(state);
-  renderInto($("nodes"), nodes.map((n) => [n.name, n.isMaster, n.memoryPercent, n.engine, n.diskAvailable, instances.length]), () =>
+  const nodesKey = nodes.map((n) => [n.name, n.isMaster, n.memoryPercent, n.gpus.map((g) => g.percent), n.engine, n.diskAvailable, instances.length]);
+  renderInto($("nodes"), nodesKey, () =>
     nodes.map((node) => {
       const here = instances.filter((i) => i.ranks.some((r) => r.node === node.name)).map((i) => i.modelId);
       return el(
@@ -135,6 +136,7 @@ function renderCluster(state) {
         el("div", { class: "muted" }, `${shortId(node.nodeId)} · ${node.engine} · ${node.cpuCount} CPUs · ${node.os}`),
         el("div", {}, `memory ${formatBytes(node.memoryUsed)} of ${formatBytes(node.memoryTotal)}`),
         bar(node.memoryPercent / 100),
+        ...node.gpus.flatMap((gpu) => [el("div", {}, `GPU ${gpu.name}: ${formatBytes(gpu.used)} of ${formatBytes(gpu.total)}`), bar(gpu.percent / 100)]),
         el("div", { class: "muted" }, `disk free ${formatBytes(node.diskAvailable)}`),
         el("div", { class: "muted" }, here.length ? `runs ${here.join(", ")}` : "runs no model"),
       );

@@ -31,7 +31,14 @@ export function engineName(engine) {
   return engine === "llamacpp" ? "llama.cpp" : "MLX";
 }
 
-// One row per node: who it is, whether it is the master, and how full its memory is.
+// A GPU's memory as a node row shows it (NodeInfo's `gpus`: an NVIDIA node's, from nvidia-smi).
+function gpuRow(gpu) {
+  const used = gpu.totalBytes - gpu.freeBytes;
+  return { name: gpu.name, used, total: gpu.totalBytes, percent: gpu.totalBytes > 0 ? Math.round((100 * used) / gpu.totalBytes) : 0 };
+}
+
+// One row per node: who it is, whether it is the master, and how full its memory (and
+// its GPUs' memory) is.
 export function nodeRows(state) {
   return Object.values(state.nodes)
     .map((info) => {
@@ -48,6 +55,7 @@ export function nodeRows(state) {
         memoryUsed: used,
         memoryTotal: total,
         memoryPercent: total > 0 ? Math.round((100 * used) / total) : 0,
+        gpus: (info.gpus ?? []).map(gpuRow),
         diskAvailable: info.diskAvailableBytes,
         apiPort: info.apiPort,
       };
@@ -269,7 +277,9 @@ export function previewRows(state, previews) {
       .map((id) => {
         const available = preview.memoryAvailableBytes[id];
         const needed = formatBytes(preview.memoryNeededBytes[id]);
-        return available === undefined ? needed : `${needed} of ${formatBytes(available)}`;
+        // On a CUDA node the share must fit the GPU's memory, not the RAM.
+        const gpu = preview.memoryKind?.[id] === "gpu" ? " GPU" : "";
+        return available === undefined ? needed : `${needed} of ${formatBytes(available)}${gpu}`;
       })
       .join(", "),
     verdict: preview.error ? withNodeNames(state, preview.error) : "fits",

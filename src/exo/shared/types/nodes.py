@@ -10,6 +10,14 @@ class MemoryInfo(FrozenModel):
     available_bytes: int
 
 
+class GpuInfo(FrozenModel):
+    """An NVIDIA GPU as its driver reports it (nvidia-smi)."""
+
+    name: str
+    total_bytes: int
+    free_bytes: int
+
+
 class NodeInfo(FrozenModel):
     node_id: NodeId
     friendly_name: str
@@ -21,6 +29,10 @@ class NodeInfo(FrozenModel):
     sealed: bool = False
     cpu_count: int
     memory: MemoryInfo
+    # The NVIDIA GPUs the driver lists, in its order; MLX's CUDA backend computes on one
+    # device, which placement takes to be the first. Empty on Apple silicon: Metal's
+    # working set is the unified memory, which `memory` already counts.
+    gpus: list[GpuInfo] = []
     disk_available_bytes: int
     api_port: int
     interfaces: list[NetworkInterface] = []
