@@ -2,7 +2,7 @@
 loading MLX or llama.cpp into the node process.
 
 MLX is fast where it has a GPU: Metal on Apple silicon, CUDA where MLX's CUDA build
-(`pip install "mlx[cuda12]"`) sees an NVIDIA GPU. Elsewhere it has only its CPU backend,
+(scripts/setup.sh installs it) sees an NVIDIA GPU. Elsewhere it has only its CPU backend,
 whose kernels reach a few GB/s of the memory bus, and llama.cpp's CPU kernels are tens of
 times faster (docs/engines.md), so auto takes llama.cpp there when it is installed."""
 
@@ -120,6 +120,6 @@ def choose_engine(choice: str, hardware: Hardware) -> tuple[EngineKind, str]:
     if hardware.nvidia_gpu:
         return EngineKind.LlamaCpp, (
             "an NVIDIA GPU is present but MLX's CUDA backend does not see it "
-            '(pip install "mlx[cuda12]" for it): llama.cpp on the CPU'
+            "(scripts/setup.sh installs the build for this driver, or says why not): llama.cpp on the CPU"
         )
     return EngineKind.LlamaCpp, "no GPU MLX can use: llama.cpp on the CPU"
