@@ -29,6 +29,7 @@ from exo.shared.types.runners import (
     RunnerFailed,
     RunnerIdle,
     RunnerLoaded,
+    RunnerLoading,
     RunnerReady,
     RunnerRunning,
     RunnerStatus,
@@ -289,21 +290,62 @@ def test_backoff_grows_with_the_attempt(card: ModelCard):
     assert plan(NODE, state, local, NOW + RESTART_BACKOFF_SECONDS * 2) == CreateRunner(INSTANCE, RUNNER, attempt=3)
 
 
-def test_a_runner_started_on_ring_addresses_the_instance_no_longer_has_is_restarted(card: ModelCard):
-    # The master moved a rank's port (taken on its node): every rank restarts on the new ring.
-    state = single_node_state(card, RunnerIdle())
-    moved = state.instances[INSTANCE].model_copy(update={"hosts": ["127.0.0.1:31005", "127.0.0.1:31001"]})
-    state = state.model_copy(update={"instances": {INSTANCE: moved}})
-    local = local_runner(hosts=("127.0.0.1:31000", "127.0.0.1:31001"))
-    assert plan(NODE, state, local, NOW) == ShutdownRunner(RUNNER)
-    assert plan(NODE, state, local_runner(hosts=tuple(moved.hosts)), NOW) == RunnerStep(RUNNER, ConnectToGroup())
+OLD_RING = ("127.0.0.1:31000", "127.0.0.1:31001")
+NEW_RING = ["127.0.0.1:31005", "127.0.0.1:31001"]
+
+
+def moved_ring(state: State) -> State:
+    """`state` after the master moved rank 0's port (taken on its node)."""
+    moved = state.instances[INSTANCE].model_copy(update={"hosts": NEW_RING})
+    return state.model_copy(update={"instances": {INSTANCE: moved}})
+
+
+def test_a_runner_started_on_ring_addresses_the_instance_no_longer_has_is_restarted_at_its_attempt(card: ModelCard):
+    # Every rank restarts on the new ring; the move spends no attempt and resets none.
+    state = moved_ring(single_node_state(card, RunnerIdle()))
+    local = local_runner(hosts=OLD_RING, attempt=2)
+    assert plan(NODE, state, local, NOW) == CreateRunner(INSTANCE, RUNNER, attempt=2)
+    assert plan(NODE, state, local_runner(hosts=tuple(NEW_RING)), NOW) == RunnerStep(RUNNER, ConnectToGroup())
+
+
+def test_a_failed_runner_whose_ring_moved_keeps_its_backoff_and_its_count(card: ModelCard):
+    """The other rank's port was taken when it restarted: this rank, failed twice
+    already, does not start over at attempt 1 (a split instance failing the same way would
+    otherwise restart for as long as ports move)."""
+    state = moved_ring(single_node_state(card, RunnerFailed(error_message="RuntimeError: no stream", attempt=2)))
+    local = local_runner(hosts=OLD_RING, exited=True, exited_at=NOW, attempt=2, failure="RuntimeError: no stream")
+    assert plan(NODE, state, local, NOW + 1) is None
+    assert plan(NODE, state, local, NOW + RESTART_BACKOFF_SECONDS * 2) == CreateRunner(INSTANCE, RUNNER, attempt=3)
+    last = local_runner(hosts=OLD_RING, exited=True, exited_at=NOW, attempt=3, failure="RuntimeError: no stream")
+    action = plan(NODE, state, last, NOW)
+    assert isinstance(action, DeleteFailedInstance) and "RuntimeError: no stream" in action.reason
 
 
 def test_a_ring_bind_failure_asks_for_another_port_instead_of_counting_an_attempt(card: ModelCard):
     failure = "RuntimeError: [ring] Couldn't bind socket (error: 98)"
     state = single_node_state(card, RunnerFailed(error_message=failure, attempt=MAX_RUNNER_ATTEMPTS))
-    local = local_runner(exited=True, exited_at=NOW, attempt=MAX_RUNNER_ATTEMPTS, failure=failure)
+    local = local_runner(exited=True, exited_at=NOW, attempt=MAX_RUNNER_ATTEMPTS, failure=failure, hosts=OLD_RING)
+    state = state.model_copy(
+        update={"instances": {INSTANCE: state.instances[INSTANCE].model_copy(update={"hosts": list(OLD_RING)})}}
+    )
     assert plan(NODE, state, local, NOW) == ReportRingPortTaken(INSTANCE, RUNNER)
+    # Once moved, it starts on the new port at once, at the same attempt.
+    assert plan(NODE, moved_ring(state), local, NOW) == CreateRunner(INSTANCE, RUNNER, attempt=MAX_RUNNER_ATTEMPTS)
+
+
+def test_a_node_restarted_while_its_runner_was_failing_goes_on_counting(card: ModelCard):
+    state = single_node_state(card, RunnerFailed(error_message="RuntimeError: no stream", attempt=2))
+    assert plan(NODE, state, {}, NOW) == CreateRunner(INSTANCE, RUNNER, attempt=3)
+
+
+def test_the_reason_given_up_with_is_the_runners_own_error_before_state_has_it(card: ModelCard):
+    # The worker's report of the last failure goes round the master: State still shows
+    # the previous attempt's status when the planner gives up.
+    state = single_node_state(card, RunnerLoading())
+    failure = "RuntimeError: There is no Stream(cpu, 2) in current thread"
+    local = local_runner(exited=True, exited_at=NOW, attempt=MAX_RUNNER_ATTEMPTS, failure=failure)
+    action = plan(NODE, state, local, NOW)
+    assert isinstance(action, DeleteFailedInstance) and action.reason.endswith(f"last: {failure}")
 
 
 def test_delete_instance_after_max_runner_attempts(card: ModelCard):
@@ -357,3 +399,81 @@ def test_a_restarted_runner_waits_for_its_failed_peer_instead_of_abandoning(card
     what it waits out, not a reason to stop again."""
     state = two_rank_state(card, own=RunnerIdle(), other=RunnerFailed(error_message="exit code -9"))
     assert plan(NODE, state, local_runner(attempt=2), NOW) is None
+
+
+# --- a split instance that fails the same way on every rank ------------------------------------
+
+
+NO_STREAM = "RuntimeError: There is no Stream(cpu, 2) in current thread"
+
+
+def run_two_ranks_failing_at_load(card: ModelCard, ring_moves_on_restart: bool, steps: int = 400) -> tuple[str, int]:
+    """Both ranks' workers planning over one State, each rank's load failing with the
+    same error every time; with `ring_moves_on_restart`, each restart first finds its
+    port taken (a crashed runner still holding it), and the master moves it. Returns why
+    the instance was deleted ("" if it never was) and the highest attempt started."""
+    instance = instance_over(card, [(NODE, RUNNER), (OTHER_NODE, OTHER_RUNNER)])
+    instance = instance.model_copy(update={"hosts": ["10.0.0.1:31000", "10.0.0.2:31001"]})
+    model = ModelId(card.model_id)
+    done = DownloadCompleted(total_bytes=1, path="/models/qwen")
+    state = State(instances={INSTANCE: instance}, downloads={NODE: {model: done}, OTHER_NODE: {model: done}})
+    local: dict[NodeId, dict[RunnerId, LocalRunner]] = {NODE: {}, OTHER_NODE: {}}
+    exits = {RUNNER: 0, OTHER_RUNNER: 0}
+    moved_for: set[tuple[RunnerId, int]] = set()  # (runner, exits): once per restart
+    highest = 0
+
+    def set_status(runner_id: RunnerId, status: RunnerStatus) -> None:
+        nonlocal state
+        state = state.model_copy(update={"runners": {**state.runners, runner_id: status}})
+
+    def exit_runner(node_id: NodeId, runner: LocalRunner, failure: str, now: float) -> None:
+        local[node_id][runner.runner_id] = replace(runner, exited=True, exited_at=now, failure=failure)
+        exits[runner.runner_id] += 1
+        set_status(runner.runner_id, RunnerFailed(error_message=failure, attempt=runner.attempt))
+
+    for step in range(steps):
+        now = NOW + step * 0.5
+        for node_id in (NODE, OTHER_NODE):
+            action = plan(node_id, state, local[node_id], now)
+            match action:
+                case CreateRunner(runner_id=runner_id, attempt=attempt):
+                    rank = instance.shard_assignments.runner_to_shard[runner_id].device_rank
+                    if ring_moves_on_restart and exits[runner_id] and (runner_id, exits[runner_id]) not in moved_for:
+                        moved_for.add((runner_id, exits[runner_id]))
+                        hosts = list(state.instances[INSTANCE].hosts)
+                        hosts[rank] = f"{hosts[rank].rsplit(':', 1)[0]}:{31002 + len(moved_for)}"
+                        moved = state.instances[INSTANCE].model_copy(update={"hosts": hosts})
+                        state = state.model_copy(update={"instances": {INSTANCE: moved}})
+                        continue
+                    highest = max(highest, attempt)
+                    hosts = tuple(state.instances[INSTANCE].hosts)
+                    local[node_id][runner_id] = replace(
+                        local_runner(runner_id=runner_id)[runner_id], attempt=attempt, hosts=hosts
+                    )
+                    set_status(runner_id, RunnerIdle())
+                case RunnerStep(runner_id=runner_id, instruction=ConnectToGroup()):
+                    runner = local[node_id][runner_id]
+                    local[node_id][runner_id] = replace(runner, sent=runner.sent | {ConnectToGroup})
+                    set_status(runner_id, RunnerConnected())
+                case RunnerStep(runner_id=runner_id, instruction=LoadModel()):
+                    exit_runner(node_id, local[node_id][runner_id], NO_STREAM, now)
+                case AbandonRunner(runner_id=runner_id, reason=reason):
+                    exit_runner(node_id, local[node_id][runner_id], reason, now)
+                case ShutdownRunner(runner_id=runner_id):
+                    del local[node_id][runner_id]
+                case DeleteFailedInstance(reason=reason):
+                    return reason, highest
+                case None:
+                    pass
+                case _:
+                    raise AssertionError(f"unexpected {action}")
+    return "", highest
+
+
+@pytest.mark.parametrize("ring_moves_on_restart", [False, True])
+def test_a_split_instance_failing_the_same_way_on_every_rank_is_given_up_on(
+    card: ModelCard, ring_moves_on_restart: bool
+):
+    reason, highest = run_two_ranks_failing_at_load(card, ring_moves_on_restart)
+    assert reason == f"the runner of {card.model_id} failed {MAX_RUNNER_ATTEMPTS} times, last: {NO_STREAM}"
+    assert highest == MAX_RUNNER_ATTEMPTS

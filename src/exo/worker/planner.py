@@ -207,20 +207,29 @@ def _plan_instance(
         return None if instance.model_id in downloading else FindModel(instance.instance_id)
 
     if runner is None:
-        return CreateRunner(instance.instance_id, runner_id)
-    if runner.hosts != tuple(instance.hosts):
-        return ShutdownRunner(runner_id)  # started on ring addresses the instance no longer has
+        # A node restarted while its runner was failing goes on counting from State, so
+        # restarting the node never resets the attempts.
+        status = state.runners.get(runner_id)
+        attempt = status.attempt + 1 if isinstance(status, RunnerFailed) else 1
+        return CreateRunner(instance.instance_id, runner_id, attempt=attempt)
+    # The master moved a ring port since the runner started: every rank starts again on
+    # the new ring, at the attempt it was on. A move neither spends attempts nor resets
+    # them, so a failing split instance cannot restart forever by moving.
+    moved = runner.hosts != tuple(instance.hosts)
     if runner.exited:
         if runner.failure is not None and RING_BIND_FAILURE in runner.failure:
-            return ReportRingPortTaken(instance.instance_id, runner_id)  # bound by someone since the worker checked
+            # Bound by someone since the worker checked: ask for another port, then start on it.
+            if moved:
+                return CreateRunner(instance.instance_id, runner_id, attempt=runner.attempt)
+            return ReportRingPortTaken(instance.instance_id, runner_id)
         if runner.attempt >= MAX_RUNNER_ATTEMPTS:
-            status = state.runners.get(runner_id)
-            detail = status.error_message if isinstance(status, RunnerFailed) else "runner exited"
-            reason = gave_up_reason(instance.model_id, runner.attempt, detail)
+            reason = gave_up_reason(instance.model_id, runner.attempt, _last_failure(state, runner))
             return DeleteFailedInstance(instance.instance_id, reason)
         if runner.exited_at is not None and now - runner.exited_at >= RESTART_BACKOFF_SECONDS * runner.attempt:
             return CreateRunner(instance.instance_id, runner_id, attempt=runner.attempt + 1)
         return None
+    if moved:
+        return CreateRunner(instance.instance_id, runner_id, attempt=runner.attempt)
 
     abandon = _failed_peer(state, instance, runner_id, runner)
     if abandon is not None:
@@ -269,6 +278,15 @@ def _failed_peer(state: State, instance: Instance, runner_id: RunnerId, runner: 
         if peer_id != runner_id and isinstance(status, RunnerFailed):
             return AbandonRunner(runner_id, f"rank {shard.device_rank} of the instance failed: {status.error_message}")
     return None
+
+
+def _last_failure(state: State, runner: LocalRunner) -> str:
+    """Why the runner's last run ended: its supervisor's account first, since State gets
+    the RunnerFailed only once the master has ordered it, often after the planner looks."""
+    if runner.failure is not None:
+        return runner.failure
+    status = state.runners.get(runner.runner_id)
+    return status.error_message if isinstance(status, RunnerFailed) else "runner exited"
 
 
 def _stage(status: RunnerStatus | None) -> int:

@@ -118,6 +118,7 @@ class RunnerSupervisor:
             self.on_event(RunnerStatusUpdated(runner_id=self.runner_id, status=RunnerShutdown()))
             return
         message = self.failure_message or f"runner process exited unexpectedly (exit code {exit_code})"
+        self.failure_message = message
         logger.error(f"runner {self.runner_id}: {message}")
         for task_id, command_id in self.in_flight.items():
             self.on_chunk(ChunkGenerated(command_id=command_id, finish_reason="error", error_message=message))
