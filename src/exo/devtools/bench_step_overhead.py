@@ -39,11 +39,10 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from exo.catalog.cards import card_from_model_dir
+from exo.devtools.local_engine import load_engine
 from exo.devtools.tiny_models import SPECIAL_TOKENS, make_tiny_llama
 from exo.engine.mlx.engine import MlxEngine
 from exo.shared.types.common import CommandId, ModelId
-from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 
@@ -70,18 +69,6 @@ def summarize(streams: list[Stream]) -> dict[str, float]:
         "decode_tps": decoded / (steps[-1] - start) if steps else 0.0,
         "step_s": statistics.median(gaps) if gaps else 0.0,
     }
-
-
-def load_engine(model_dir: Path) -> MlxEngine:
-    """One rank holding the whole model (as tests/support/engine.py does)."""
-    card = card_from_model_dir(model_dir, "bench/tiny-llama")
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers, n_layers=card.n_layers
-    )
-    engine = MlxEngine()
-    engine.load(model_dir, shard, lambda done, total: None)
-    engine.warm_up()
-    return engine
 
 
 def clear_prefix_cache(engine: MlxEngine) -> None:

@@ -1,0 +1,20 @@
+"""exo's MLX engine in this process, one rank holding the whole model, warmed up as a
+runner does (which also sets its memory budget): for benches and tests of the engine
+itself, without a node."""
+
+from pathlib import Path
+
+from exo.catalog.cards import card_from_model_dir
+from exo.engine.mlx.engine import MlxEngine
+from exo.shared.types.shards import PipelineShardMetadata
+
+
+def load_engine(model_dir: Path, model_id: str = "test/model") -> MlxEngine:
+    card = card_from_model_dir(model_dir, model_id)
+    shard = PipelineShardMetadata(
+        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers, n_layers=card.n_layers
+    )
+    engine = MlxEngine()
+    engine.load(model_dir, shard, lambda done, total: None)
+    engine.warm_up()
+    return engine
