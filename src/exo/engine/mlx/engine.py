@@ -251,7 +251,10 @@ class MlxEngine:
         activations = activation_bytes(self.config, step, limits.MAX_BATCH)
         spare = max(0, device_memory() - weights - activations)
         scores = spare // 4
-        kv_tokens, area = (spare - scores) // per_token, scores // score_bytes_per_pair(self.config)
+        # A fifth of the rest stays free for what MLX holds twice for a moment (a cache
+        # grown by concatenation, the decode batch as requests join and leave).
+        kv_tokens = (spare - scores) * 4 // 5 // per_token
+        area = scores // score_bytes_per_pair(self.config)
         if self.group is not None:
             kv_tokens = agree_on_minimum(kv_tokens, self.group, generation_stream)
             area = agree_on_minimum(area, self.group, generation_stream)

@@ -2,11 +2,12 @@
 Apple silicon, the CUDA device's memory, RAM on a CPU node, or EXO_MEMORY_BUDGET_MB),
 less its weights and one step's activations, in tokens of KV for the scheduler. Of
 what is left a quarter is for attention's scores (the scheduler keeps each step's
-prompt chunks within that area: MLX's CPU backend computes them in full) and the rest
-for the KV of running requests and of the prefix cache. What MLX copies for a moment
-(a cache grown by concatenation, requests joining the decode batch) is not counted:
-16 prompts of 2,000 tokens under a 96 MB budget peaked at 89 MB
-(tests/unit/test_memory_budget.py).
+prompt chunks within that area: MLX's CPU backend computes them in full), a fifth of
+the rest stays free for what MLX copies for a moment (a cache grown by concatenation,
+the decode batch as requests join and leave), and the rest holds the KV of running
+requests and of the prefix cache. Without that fifth, 16 prompts of 2,000 tokens under
+a 96 MB budget peaked at 89 MB in a process of their own but at 106.5 MB in one holding
+other engines' arrays (tests/unit/test_memory_budget.py).
 
 MLX also keeps freed buffers in a cache of its own for reuse; unbounded, that cache
 alone took an H200 from a 7 GB model to 106 GB. It is limited to one step's
