@@ -199,3 +199,35 @@ def test_gemma4_split_between_kv_shared_layer_and_its_source_is_refused(model_di
         fix_pipeline(model, 6, 8)
     fix_pipeline(model, 4, 8)
     assert model.language_model.model.previous_kvs == [0, 1, 0, 1]
+
+
+def _with_float32_norms(model_dir: Path) -> Path:
+    """The checkpoint in bfloat16 but its norms, kept in float32 as some published
+    checkpoints keep them: a rank's hidden state leaves its first block in float32
+    (bfloat16 weights promote), while the next rank's own embedding, the shape it used
+    to receive into, is bfloat16."""
+    import mlx.core as mx
+
+    for file in model_dir.glob("*.safetensors"):
+        weights = mx.load(str(file))
+        mixed = {name: w if "norm" in name else w.astype(mx.bfloat16) for name, w in weights.items()}
+        mx.save_safetensors(str(file), mixed, metadata={"format": "mlx"})
+    return model_dir
+
+
+def test_pipeline_ranks_agree_on_the_hidden_states_dtype(tmp_path: Path) -> None:
+    """Before the ranks agreed on one wire dtype, rank 1 read rank 0's float32 hidden
+    state as bfloat16 and every logit was NaN."""
+    from exo.devtools.parallel_check import build_instance, run_rank
+    from exo.shared.types.instances import Sharding
+
+    model_dir = _with_float32_norms(make_tiny(tmp_path / "mixed", "llama"))
+    reference = run_rank(model_dir, build_instance(model_dir, Sharding.Pipeline, 1, []), 0, PROMPT, DECODE_STEPS)
+    assert np.isfinite(reference["logits"]).all()
+
+    ranks = _run_ranks(model_dir, "pipeline", 2, tmp_path)
+
+    diffs = [float(np.abs(result["logits"] - reference["logits"]).max()) for result in ranks]
+    print(f"bf16 + float32 norms, pipeline x2: max |logit diff| per rank {diffs}")
+    assert max(diffs) <= TOLERANCE, diffs
+    assert all(result["tokens"].tolist() == reference["tokens"].tolist() for result in ranks)

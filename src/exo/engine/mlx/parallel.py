@@ -17,6 +17,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from mlx.utils import tree_flatten
 
 from exo.engine.mlx.sharding import pipeline_fix_up, tensor_strategy
 from exo.shared.cluster_secret import derive_key, secret_from_env
@@ -61,14 +62,19 @@ class _LayerWrapper(nn.Module):
 
 
 class ReceiveFromPrevious(_LayerWrapper):
+    def __init__(self, layer: nn.Module, group: mx.distributed.Group, wire_dtype: mx.Dtype) -> None:
+        super().__init__(layer, group)
+        self.wire_dtype = wire_dtype
+
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        x = mx.distributed.recv_like(x, self.group.rank() - 1, group=self.group)
+        x = mx.distributed.recv(x.shape, self.wire_dtype, self.group.rank() - 1, group=self.group)
         return self.layer(x, *args, **kwargs)
 
 
 class SendToNextAndShare(_LayerWrapper):
-    def __init__(self, layer: nn.Module, group: mx.distributed.Group) -> None:
+    def __init__(self, layer: nn.Module, group: mx.distributed.Group, wire_dtype: mx.Dtype) -> None:
         super().__init__(layer, group)
+        self.wire_dtype = wire_dtype
         # Off while prefilling: no rank needs the prompt's output, and without the
         # all-gather rank 0 goes on to the next chunk while rank 1 works on this one.
         self.share = True
@@ -77,6 +83,7 @@ class SendToNextAndShare(_LayerWrapper):
         out = self.layer(x, *args, **kwargs)
         # Some blocks (Gemma 4) return (hidden, keys/values, offset); only hidden travels.
         hidden, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+        hidden = hidden.astype(self.wire_dtype)
         rank, size = self.group.rank(), self.group.size()
         if rank < size - 1:
             hidden = mx.distributed.send(hidden, rank + 1, group=self.group)
@@ -112,14 +119,34 @@ def apply_pipeline(
 ) -> None:
     inner = inner_model(model)
     layers = list(inner.layers)[shard.start_layer : shard.end_layer]
+    inner.layers = layers  # first, so that only this rank's weights count for the wire dtype
+    wire_dtype = agree_on_wire_dtype(model, group)
     if shard.device_rank > 0:
-        layers[0] = ReceiveFromPrevious(layers[0], group)
-    layers[-1] = SendToNextAndShare(layers[-1], group)
+        layers[0] = ReceiveFromPrevious(layers[0], group, wire_dtype)
+    layers[-1] = SendToNextAndShare(layers[-1], group, wire_dtype)
     inner.layers = layers
     _fix_layer_indices(inner, shard.start_layer, shard.end_layer)
     fix_up = pipeline_fix_up(model_type)
     if fix_up is not None:
         fix_up(model, shard.start_layer, shard.end_layer)
+
+
+# Floating dtypes by width; a mix of float16 and bfloat16 promotes to float32.
+_WIRE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def agree_on_wire_dtype(model: nn.Module, group: mx.distributed.Group) -> mx.Dtype:
+    """The dtype hidden states travel in between pipeline ranks, the same on every rank:
+    what the floating weights of all ranks together promote to. A rank's hidden state
+    takes the dtype of the widest weight it met (float32 norms in a bfloat16
+    checkpoint; a node that computes in another dtype than its neighbour), and a
+    receiver reads exactly the bytes of the dtype it expects: without agreement a
+    float32 sender and a bfloat16 receiver read garbage. One all-sum at load time."""
+    held = {leaf.dtype for _, leaf in tree_flatten(model.parameters()) if isinstance(leaf, mx.array)}
+    flags = mx.array([dtype in held for dtype in _WIRE_DTYPES], dtype=mx.int32)
+    counts = cast(list[int], mx.distributed.all_sum(flags, group=group).tolist())
+    union = [dtype for dtype, count in zip(_WIRE_DTYPES, counts, strict=True) if count]
+    return union[0] if len(union) == 1 else mx.float32
 
 
 class _SoloGroup:
