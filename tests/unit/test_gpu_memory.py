@@ -191,3 +191,51 @@ def test_a_pipeline_over_two_cuda_nodes_splits_the_layers_by_their_gpus_memory()
         for node_id, runner_id in assignments.node_to_runner.items()
     }
     assert shards["a"] > 2 * shards["b"], shards  # RAM alike, GPUs 60 and 20 GiB free
+
+
+# --- mixed clusters ----------------------------------------------------------------------------
+
+
+def linked(*infos: NodeInfo) -> State:
+    topology = Topology()
+    for i, source in enumerate(infos):
+        for j, sink in enumerate(infos):
+            if i != j:
+                connection = Connection(source=source.node_id, sink=sink.node_id, sink_ip=f"10.0.0.{j + 1}")
+                topology = topology.with_connection(connection)
+    return State(nodes={info.node_id: info for info in infos}, topology=topology)
+
+
+def cpu_node(name: str, ram_free_gib: float, engine: EngineKind = EngineKind.LlamaCpp) -> NodeInfo:
+    return node_info(name, ram_free_gib=ram_free_gib, backend="cpu").model_copy(update={"engine": engine})
+
+
+def test_a_gpu_node_is_preferred_to_a_cpu_node_with_more_memory():
+    cuda = node_info("z-cuda", ram_free_gib=16, gpus=(gpu(30),))
+    metal = node_info("z-mac", ram_free_gib=24, backend="metal")
+    for gpu_node in (cuda, metal):
+        state = linked(gpu_node, cpu_node("a-cpu", ram_free_gib=200))
+        assert list(place_instance(state, card_of(10)).shard_assignments.node_to_runner) == [gpu_node.node_id]
+        preview = instance_previews(state, card_of(10), Sharding.Pipeline)[0]
+        assert preview.compute == {gpu_node.node_id: gpu_node.backend}
+    # A GPU that llama.cpp (a CPU build) runs on is no GPU to it: memory decides again.
+    on_llama_cpp = cuda.model_copy(update={"engine": EngineKind.LlamaCpp})
+    state = linked(on_llama_cpp, cpu_node("a-cpu", ram_free_gib=200))
+    assert list(place_instance(state, card_of(10)).shard_assignments.node_to_runner) == ["a-cpu"]
+
+
+def test_a_split_takes_two_gpu_nodes_before_a_gpu_and_a_cpu_node():
+    state = linked(node_info("g1", gpus=(gpu(30),)), node_info("g2", gpus=(gpu(30),)), cpu_node("c", ram_free_gib=500))
+    instance = place_instance(state, card_of(40), min_nodes=2)
+    assert sorted(instance.shard_assignments.node_to_runner) == ["g1", "g2"]
+
+
+def test_a_split_across_a_cuda_node_and_a_cpu_node_runs_mlx_on_both():
+    # Neither holds the 40 GiB model alone; the CPU node runs llama.cpp by default.
+    state = linked(node_info("a", ram_free_gib=16, gpus=(gpu(30),)), cpu_node("b", ram_free_gib=30))
+    instance = place_instance(state, card_of(40))
+    assert sorted(instance.shard_assignments.node_to_runner) == ["a", "b"]
+    assert instance.engine == EngineKind.Mlx
+    [preview] = [p for p in instance_previews(state, card_of(40), Sharding.Pipeline) if p.instance is not None]
+    assert preview.compute == {"a": "cuda", "b": "cpu"} and preview.memory_kind == {"a": "gpu", "b": "ram"}
+    assert preview.engine_reason is not None and "the nodes run different engines" in preview.engine_reason

@@ -795,13 +795,14 @@ def with_engines(state: State, **engines: str) -> State:
     return state.model_copy(update={"nodes": nodes})
 
 
-def test_nodes_of_different_engines_share_no_instance_and_the_preview_says_why():
-    state = with_engines(fully_linked(a=3, b=3), a="mlx", b="llamacpp")
+def test_nodes_of_different_engines_share_an_instance_on_mlx_and_the_preview_says_why():
+    state = with_engines(fully_linked(a=4, b=4), a="mlx", b="llamacpp")
     card = make_card(weights_gib=4)
-    with pytest.raises(PlacementError, match="a runs mlx, b runs llamacpp"):
-        place_instance(state, card, min_nodes=2)
-    previews = instance_previews(state, card, Sharding.Pipeline, min_nodes=2)
-    assert previews and all("different engines" in (preview.error or "") for preview in previews)
+    instance = place_instance(state, card, min_nodes=2)
+    assert instance.engine == EngineKind.Mlx
+    [preview, *_] = instance_previews(state, card, Sharding.Pipeline, min_nodes=2)
+    assert preview.instance is not None
+    assert preview.engine_reason is not None and "a runs mlx, b runs llamacpp" in preview.engine_reason
 
 
 def test_an_instance_on_llamacpp_nodes_runs_llamacpp_unless_it_cannot():

@@ -4,9 +4,11 @@ A candidate is one node, or several nodes that form a ring in the topology (each
 reaches the next and the next reaches it back, last to first included), because the MLX
 ring backend talks to both neighbours. A candidate fits when every node has room for its
 share of the weights, its share of the KV cache for the whole context, and a fixed
-runtime overhead. Among fitting candidates: fewer nodes first, then faster links, then
-more free memory. A node's memory is its free RAM, except on a CUDA node, where MLX holds
-weights and cache in the GPU's own memory: there it is the GPU's free memory.
+runtime overhead. Among fitting candidates: fewer nodes first, then fewer nodes that
+compute on their cores (a GPU, CUDA or Metal, decodes many times faster than the same
+machine's CPU), then faster links, then more free memory. A node's memory is its free
+RAM, except on a CUDA node, where MLX holds weights and cache in the GPU's own memory:
+there it is the GPU's free memory.
 """
 
 from collections.abc import Iterable, Iterator
@@ -60,6 +62,8 @@ MAX_REASONS_IN_ERROR = 8
 Links = dict[tuple[NodeId, NodeId], Connection]
 # What a node's share of an instance must fit in: free RAM, or a CUDA GPU's free memory.
 MemoryKind = Literal["ram", "gpu"]
+# What a node's share of an instance computes on.
+Compute = Literal["cuda", "metal", "cpu"]
 
 
 # What a missing link (or one way only) most often means: a node that just joined, whose
@@ -83,6 +87,7 @@ class PlacementPreview(FrozenModel):
     memory_available_bytes: dict[NodeId, int] = {}
     # What memory_available_bytes counts on each node.
     memory_kind: dict[NodeId, MemoryKind] = {}
+    compute: dict[NodeId, Compute] = {}
     context_length: int | None = None
     instance: Instance | None = None
     error: str | None = None
@@ -139,7 +144,7 @@ def instance_previews(
             ring, no_ring_reason = _best_ring(links, list(group))
             for option in shardings:
                 preview = _preview(state, links, card, option, ring, no_ring_reason, context)
-                previews.append((_preference(links, preview, option), preview))
+                previews.append((_preference(state, links, preview, option), preview))
     return [preview for _, preview in sorted(previews, key=lambda item: item[0])]
 
 
@@ -181,6 +186,14 @@ def free_memory(info: NodeInfo) -> tuple[int, MemoryKind]:
     if info.backend == "cuda" and info.engine == EngineKind.Mlx and info.gpus:
         return info.gpus[0].free_bytes, "gpu"
     return info.memory.available_bytes, "ram"
+
+
+def computes_on(info: NodeInfo) -> Compute:
+    """MLX computes on the node's GPU where it has one; llama.cpp (built for the CPU)
+    and MLX without a GPU compute on the cores."""
+    if info.engine == EngineKind.Mlx and info.backend in ("cuda", "metal"):
+        return "cuda" if info.backend == "cuda" else "metal"
+    return "cpu"
 
 
 def _links(topology: Topology) -> Links:
@@ -253,10 +266,11 @@ def _link_key(links: Links, ring: list[NodeId]) -> tuple[float, float]:
     return (-bandwidth, latency)
 
 
-def _preference(links: Links, preview: PlacementPreview, sharding: Sharding) -> tuple:
+def _preference(state: State, links: Links, preview: PlacementPreview, sharding: Sharding) -> tuple:
     return (
         preview.instance is None,
         len(preview.node_ids),
+        sum(computes_on(state.nodes[node_id]) == "cpu" for node_id in preview.node_ids),
         _link_key(links, preview.node_ids),
         -sum(preview.memory_available_bytes.values()),
         list(Sharding).index(sharding),
@@ -291,7 +305,6 @@ def _preview(
         reason
         for reason in (
             no_ring_reason,
-            _mixed_engines_reason(state, ring),
             _structure_reason(card, sharding, n),
             _memory_reason(state, card, context, ring, layer_ranges, needed, sharding),
         )
@@ -304,6 +317,7 @@ def _preview(
         memory_needed_bytes=needed,
         memory_available_bytes=available,
         memory_kind=kinds,
+        compute={node_id: computes_on(state.nodes[node_id]) for node_id in ring},
         context_length=context,
     )
     if reasons:
@@ -318,21 +332,18 @@ def _instance_engine(
     state: State, card: ModelCard, sharding: Sharding, ring: list[NodeId]
 ) -> tuple[EngineKind, str | None]:
     """The engine the instance runs (its nodes', or MLX where llama.cpp cannot serve it),
-    and why it is MLX on llama.cpp nodes."""
-    if state.nodes[ring[0]].engine != EngineKind.LlamaCpp:
+    and why it is MLX on llama.cpp nodes. Every node has MLX (a llama.cpp node's setup
+    installs its CPU build), so a ring of nodes that run different engines (a CUDA node
+    and a CPU node) runs MLX on every rank."""
+    engines = {node_id: state.nodes[node_id].engine for node_id in ring}
+    if EngineKind.LlamaCpp not in engines.values():
         return EngineKind.Mlx, None
+    if len(set(engines.values())) > 1:
+        each = ", ".join(f"{node_id} runs {engine.value}" for node_id, engine in engines.items())
+        return EngineKind.Mlx, f"runs on MLX: the nodes run different engines ({each}), and every node has MLX"
     sealed = any(state.nodes[node_id].sealed for node_id in ring)
     reason = mlx_reason(card, sharding, len(ring), sealed)
     return (EngineKind.Mlx, reason) if reason is not None else (EngineKind.LlamaCpp, None)
-
-
-def _mixed_engines_reason(state: State, ring: list[NodeId]) -> str | None:
-    """An instance's ranks run one engine: nodes that run different ones cannot share one."""
-    engines = {node_id: state.nodes[node_id].engine for node_id in ring}
-    if len(set(engines.values())) < 2:
-        return None
-    each = ", ".join(f"{node_id} runs {engine.value}" for node_id, engine in engines.items())
-    return f"the nodes run different engines ({each}); an instance runs on nodes of one engine"
 
 
 def _layer_ranges(card: ModelCard, sharding: Sharding, available: list[int]) -> list[tuple[int, int]]:
