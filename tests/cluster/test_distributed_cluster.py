@@ -321,3 +321,29 @@ def test_split_instances_answer_like_one_node(network, count, tmp_path, three_wa
         assert answers[("Pipeline", count)] == answers[("Pipeline", 1)]
         if count == 3:
             assert answers[("Tensor", 3)] == answers[("Pipeline", 1)]
+
+
+def test_a_split_across_an_mlx_node_and_a_llamacpp_node_runs_mlx_and_answers_like_one_node(tmp_path, tiny_models_dir):
+    """A mixed cluster (as a CUDA node running MLX beside a CPU node running llama.cpp):
+    the split runs MLX on both ranks, the llama.cpp node's included, and the preview says
+    why. The reference is the MLX node alone, asked before the other node joins."""
+    env = {"EXO_MODELS_DIRS": str(tiny_models_dir)}
+    with loopback_cluster(1, tmp_path, env, args=("--engine", "mlx")) as nodes:
+        wait_converged(nodes)
+        instance_id = place_and_wait(nodes[0], "Pipeline", 1)
+        alone = greedy(nodes[0])
+        delete_and_wait(nodes[0], instance_id)
+
+        nodes.add_node(args=("--engine", "llamacpp"))
+        wait_converged(nodes)
+        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 2, timeout=30, what="links measured")
+        engines = {info["engine"] for info in nodes[0].state()["nodes"].values()}
+        assert engines == {"mlx", "llamacpp"}, engines
+        params = {"model_id": TINY_MODEL_ID, "sharding": "Pipeline", "min_nodes": 2}
+        [preview, *_] = nodes[0].get("/instance/previews", params=params).json()
+        assert preview["error"] is None and "the nodes run different engines" in preview["engineReason"], preview
+
+        instance_id = place_and_wait(nodes[0], "Pipeline", 2)
+        instance = nodes[0].get(f"/instance/{instance_id}").json()
+        assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
+        assert greedy(nodes[0]) == alone and greedy(nodes[1]) == alone and len(alone) > 0
