@@ -13,7 +13,7 @@ import pytest
 
 from exo.devtools.scripted_families import FAMILY_SCRIPTS, GET_WEATHER_TOOL, SAMPLE_MESSAGES
 from exo.devtools.scripted_models import make_scripted_model
-from exo.engine.llamacpp.support import config_refusal
+from exo.engine.llamacpp.support import dir_refusal
 from exo.shared.types.instances import EngineKind
 from tests.support.cluster import loopback_cluster, wait_converged
 from tests.support.node import DEFAULT_ENGINE, ExoNode, start_node, stop_node
@@ -153,7 +153,7 @@ def test_each_family_runs_on_llama_cpp_where_it_can(node: ExoNode, scripted_mode
         pytest.fail(f"this machine's default engine is {DEFAULT_ENGINE.value}: the test is for a llama.cpp node")
     engines = {i["shardAssignments"]["modelId"]: i["engine"] for i in node.state()["instances"].values()}
     dirs = {model_id(family): scripted_models_dir / model_id(family).replace("/", "--") for family in FAMILY_SCRIPTS}
-    expected = {model: "mlx" if config_refusal(path) else "llamacpp" for model, path in dirs.items()}
+    expected = {model: "mlx" if dir_refusal(path) else "llamacpp" for model, path in dirs.items()}
     assert {model: engines[model] for model in expected} == expected
     assert {expected[model_id(family)] for family in ("qwen3", "glm4_moe", "minimax", "kimi_k2")} == {"llamacpp"}
 

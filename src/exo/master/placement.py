@@ -342,7 +342,9 @@ def _instance_engine(
         each = ", ".join(f"{node_id} runs {engine.value}" for node_id, engine in engines.items())
         return EngineKind.Mlx, f"runs on MLX: the nodes run different engines ({each}), and every node has MLX"
     sealed = any(state.nodes[node_id].sealed for node_id in ring)
-    reason = mlx_reason(card, sharding, len(ring), sealed)
+    refusals = (state.nodes[node_id].llamacpp_refusals.get(ModelId(card.model_id)) for node_id in ring)
+    refused = next((refusal for refusal in refusals if refusal is not None), None)
+    reason = f"runs on MLX: {refused}" if refused is not None else mlx_reason(card, sharding, len(ring), sealed)
     return (EngineKind.Mlx, reason) if reason is not None else (EngineKind.LlamaCpp, None)
 
 

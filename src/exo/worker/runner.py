@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -45,6 +46,21 @@ from exo.worker.runner_protocol import (
 )
 
 
+@dataclass(frozen=True)
+class Fallback:
+    """Another engine for the models the runner's engine cannot run. `refusal(model_dir)`
+    says why not from files every rank holds (so every rank falls back alike);
+    `recorded(model_dir)` what this node found before; `refused` is the error the engine's
+    load raises when it will not take the model, and `record(model_dir, model_id, why)`
+    keeps that for the next load."""
+
+    engine: Callable[[], Engine]
+    refusal: Callable[[Path], str | None]
+    recorded: Callable[[Path], str | None]
+    record: Callable[[Path, str, str], None]
+    refused: type[Exception]
+
+
 class Runner:
     def __init__(
         self,
@@ -52,16 +68,16 @@ class Runner:
         runner_id: RunnerId,
         instance: Instance,
         engine: Engine,
-        fallback: Callable[[Path], Engine | None] | None = None,
+        fallback: Fallback | None = None,
     ) -> None:
         self.conn = conn
         self.runner_id = runner_id
         self.instance = instance
         self.shard = instance.shard_assignments.runner_to_shard[runner_id]
         self.engine = engine
-        # Given the model dir before loading: another engine to run it with, if this
-        # one cannot (then connected here, as every rank of the instance does the same).
         self.fallback = fallback
+        # Why the runner serves on its fallback engine, once it does.
+        self.engine_reason: str | None = None
         # request id (the command id) -> task id, for the tasks being generated.
         self.active: dict[CommandId, TaskId] = {}
         self.ready = False
@@ -120,6 +136,36 @@ class Runner:
 
         self.engine.load(model_dir, self.shard, loaded, converted)
 
+    def _load_or_fall_back(self, model_dir: Path, fallback: Fallback) -> None:
+        """Load with the runner's engine, or with the fallback where the engine cannot run
+        the model: its files say so, this node found so before, or the load refuses it."""
+        model_id = self.shard.model_card.model_id
+        split, leader = self.shard.world_size > 1, self.shard.device_rank == 0
+        reason = fallback.refusal(model_dir)
+        if reason is None and leader:
+            reason = fallback.recorded(model_dir)
+            if reason is not None and split:
+                # Only rank 0 loads, so only its node knows: one rank cannot change the
+                # engine of a ring. Placement reads the refusal and puts the next on MLX.
+                raise RuntimeError(f"llama.cpp refused {model_id} on this node before: {reason}")
+        if reason is None:
+            try:
+                self._load(model_dir)
+                return
+            except fallback.refused as error:
+                reason = str(error)
+                fallback.record(model_dir, model_id, reason)
+                if split:
+                    raise
+        elif leader:
+            fallback.record(model_dir, model_id, reason)
+        logger.info(f"{model_id} runs on MLX: {reason}")
+        self.engine_reason = f"runs on MLX: {reason}"
+        self.engine.close()
+        self.engine = fallback.engine()
+        self.engine.connect(self.instance, self.shard)
+        self._load(model_dir)
+
     def handle(self, instruction: RunnerInstruction) -> bool:
         match instruction:
             case ConnectToGroup():
@@ -127,11 +173,10 @@ class Runner:
                 self.engine.connect(self.instance, self.shard)
                 self.set_status(RunnerConnected())
             case LoadModel(model_dir=model_dir):
-                other = self.fallback(Path(model_dir)) if self.fallback is not None else None
-                if other is not None:
-                    self.engine = other
-                    self.engine.connect(self.instance, self.shard)
-                self._load(Path(model_dir))
+                if self.fallback is None:
+                    self._load(Path(model_dir))
+                else:
+                    self._load_or_fall_back(Path(model_dir), self.fallback)
                 self.set_status(RunnerLoaded())
             case StartWarmup():
                 self.set_status(RunnerWarmingUp())
@@ -211,10 +256,16 @@ class Runner:
         running, queued = self.engine.request_counts
         memory = self.engine.memory
         if running == 0 and queued == 0:
-            status: RunnerStatus = RunnerReady(prefix_cache=self.prefix_cache, memory=memory)
+            status: RunnerStatus = RunnerReady(
+                prefix_cache=self.prefix_cache, memory=memory, engine_reason=self.engine_reason
+            )
         else:
             status = RunnerRunning(
-                active_tasks=running, queued_tasks=queued, prefix_cache=self.prefix_cache, memory=memory
+                active_tasks=running,
+                queued_tasks=queued,
+                prefix_cache=self.prefix_cache,
+                memory=memory,
+                engine_reason=self.engine_reason,
             )
         if status != self._reported:
             self._reported = status
@@ -249,16 +300,20 @@ def _llamacpp_engine() -> Engine:
     return LlamaCppEngine()
 
 
-def _mlx_if_llamacpp_refuses(model_dir: Path) -> Engine | None:
-    """Placement judged the model by its card; its config.json may still say llama.cpp
-    cannot run it (a rope scaling, a quantization the card does not name)."""
-    from exo.engine.llamacpp.support import config_refusal
+def _mlx_where_llamacpp_refuses() -> Fallback:
+    """Placement judged the model by its card; its config.json or tokenizer may still say
+    llama.cpp cannot run it (a rope scaling, a quantization the card does not name, a
+    vocab the converter cannot write), or llama.cpp's own loader may refuse it."""
+    from exo.engine.llamacpp import support
 
-    reason = config_refusal(model_dir)
-    if reason is None:
-        return None
-    logger.info(f"{model_dir.name} runs on MLX: {reason}")
-    return _mlx_engine()
+    cache_dir = support.gguf_cache_dir()
+    return Fallback(
+        engine=_mlx_engine,
+        refusal=support.dir_refusal,
+        recorded=lambda model_dir: support.recorded_refusal(cache_dir, model_dir),
+        record=lambda model_dir, model_id, reason: support.record_refusal(cache_dir, model_dir, model_id, reason),
+        refused=support.LlamaCppRefused,
+    )
 
 
 def runner_main(conn: Connection, runner_id: RunnerId, instance: Instance, verbose: bool) -> None:
@@ -274,7 +329,7 @@ def runner_main(conn: Connection, runner_id: RunnerId, instance: Instance, verbo
     # imports whenever it is installed) out: ~3 s of CPU per runner start.
     sys.modules.setdefault("torch", None)  # type: ignore[assignment]
     if instance.engine == EngineKind.LlamaCpp:
-        runner = Runner(conn, runner_id, instance, _llamacpp_engine(), _mlx_if_llamacpp_refuses)
+        runner = Runner(conn, runner_id, instance, _llamacpp_engine(), _mlx_where_llamacpp_refuses())
     else:
         runner = Runner(conn, runner_id, instance, _mlx_engine())
     try:

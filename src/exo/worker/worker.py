@@ -23,6 +23,7 @@ from exo.catalog.model_dirs import (
     models_dirs,
     partial_model_dir,
 )
+from exo.engine.llamacpp.support import gguf_cache_dir, recorded_refusals
 from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic
 from exo.shared.image_store import images_dir
@@ -469,6 +470,7 @@ def gather_node_info(
 ) -> NodeInfo:
     memory = psutil.virtual_memory()
     hardware = probe()
+    refusals = recorded_refusals(gguf_cache_dir(exo_home)) if engine == EngineKind.LlamaCpp else {}
     return NodeInfo(
         node_id=node_id,
         friendly_name=socket.gethostname(),
@@ -476,6 +478,7 @@ def gather_node_info(
         backend=mlx_backend(hardware),
         engine=engine,
         sealed=sealed,
+        llamacpp_refusals={ModelId(model_id): reason for model_id, reason in refusals.items()},
         cpu_count=psutil.cpu_count() or 1,
         memory=MemoryInfo(total_bytes=memory.total, available_bytes=memory.available),
         gpus=nvidia_gpus(hardware),

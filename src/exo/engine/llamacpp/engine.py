@@ -43,6 +43,7 @@ from exo.engine.llamacpp import rpc
 from exo.engine.llamacpp.gguf_convert import gguf_for
 from exo.engine.llamacpp.native import Context, Model, SequenceState
 from exo.engine.llamacpp.sampling import Sampler, token_logprob
+from exo.engine.llamacpp.support import gguf_cache_dir
 from exo.engine.parsing.output import think_markers_for, tool_format_for, vocabulary_think_markers
 from exo.engine.prefix_cache import SavedKV
 from exo.engine.request_settings import logprobs_wanted, max_tokens_of, sampling_settings
@@ -137,7 +138,7 @@ class LlamaCppEngine:
         self.think_markers = think_markers_for(self.model_type, detected)
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
         self.reasoning_dialect = shard.model_card.reasoning_dialect.value
-        gguf = gguf_for(model_dir, _gguf_cache_dir(), on_converted)
+        gguf = gguf_for(model_dir, gguf_cache_dir(), on_converted)
         n_layers = shard.n_layers
         devices = rpc.remote_devices(self.endpoints) if self.endpoints else []
         self.model = Model(
@@ -428,8 +429,3 @@ def _eos_token_ids(tokenizer: Any, config: dict) -> set[int]:
     special = {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
     ids |= {i for i in family_facts(config["model_type"]).eos_ids if i in special}
     return ids
-
-
-def _gguf_cache_dir() -> Path:
-    home = Path(os.environ.get("EXO_HOME", Path.home() / ".exo")).expanduser()
-    return home / "cache" / "gguf"

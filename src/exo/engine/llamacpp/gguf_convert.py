@@ -47,7 +47,7 @@ from exo.engine.llamacpp.gguf_tensors import (
     q4_k_fits,
     read_safetensors,
 )
-from exo.engine.llamacpp.gguf_vocab import TOKENIZER_FILES, write_vocab
+from exo.engine.llamacpp.gguf_vocab import TOKENIZER_FILES, vocab_refusal, write_vocab
 
 # Bumped whenever the converter writes different bytes for the same checkpoint, so
 # caches made by an older one are converted again.
@@ -498,7 +498,7 @@ def convert(model_dir: Path, out: Path, on_progress: Progress | None = None, *, 
     written as F32, exactly dequantized: for checks, since llama.cpp's quantized CPU
     matmuls also round the activations to 8 bits (Q8_0 / Q8_1 blocks)."""
     config = json.loads((model_dir / "config.json").read_text())
-    if (reason := supports(config)) is not None:
+    if (reason := supports(config) or vocab_refusal(model_dir)) is not None:
         raise ValueError(f"{model_dir.name}: {reason}")
     plan = list(_plan(config, read_safetensors(_weight_files(model_dir)), widen))
     writer = GGUFWriter(out, MODEL_ARCH_NAMES[_ARCHS[config["model_type"]]])
@@ -538,14 +538,26 @@ def _cache_key(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def cache_prefix(model_dir: Path) -> str:
+    """What every cached file of `model_dir` is named from: its name and a hash of its path."""
+    model_dir = model_dir.resolve()
+    return f"{model_dir.name}-{hashlib.sha256(str(model_dir).encode()).hexdigest()[:8]}-"
+
+
+def cache_stem(model_dir: Path) -> str:
+    """The name of `model_dir`'s cached GGUF without its suffix: it changes with the
+    converter's version and the dir's files."""
+    return cache_prefix(model_dir) + _cache_key(model_dir.resolve())
+
+
 def gguf_for(model_dir: Path, cache_dir: Path, on_progress: Progress | None = None) -> Path:
     """The GGUF of `model_dir`, converted on first use into `cache_dir` and reused while
     the dir's files are unchanged. Other conversions of the same dir are removed once a
     new one is complete; two processes asking at once convert once (a file lock)."""
     model_dir = model_dir.resolve()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    prefix = f"{model_dir.name}-{hashlib.sha256(str(model_dir).encode()).hexdigest()[:8]}-"
-    path = cache_dir / f"{prefix}{_cache_key(model_dir)}.gguf"
+    prefix = cache_prefix(model_dir)
+    path = cache_dir / f"{cache_stem(model_dir)}.gguf"
     with (cache_dir / f"{prefix}lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.is_file():

@@ -5,9 +5,13 @@ is that llama.cpp accepts the vocabulary (its size equal to the embedding's rows
 pre-tokenizer name, merges for a BPE vocab), that special tokens are marked as control
 tokens (llama.cpp renders them as text only when asked) and the chat template travels
 with the weights. Byte-level BPE tokenizers (Llama 3, Qwen, GPT-2 style) are written as
-llama.cpp's "gpt2" model; SentencePiece ones (tokenizer.model) as its "llama" model."""
+llama.cpp's "gpt2" model; SentencePiece ones (tokenizer.model) and tokenizer.json BPE with
+byte fallback (Llama 2 and Mistral's layout) as its "llama" model. Other kinds (Unigram
+or WordPiece in a tokenizer.json alone) are refused before converting (vocab_refusal),
+and their models run on MLX."""
 
 import json
+import re
 from hashlib import sha256
 from pathlib import Path
 
@@ -60,10 +64,35 @@ def _is_byte_level(spec: dict) -> bool:
     )
 
 
-def _byte_level_tokens(spec: dict, vocab_size: int) -> tuple[list[str], list[int]]:
-    """Every id's text and llama.cpp token type, padded to the embedding's rows."""
+def _is_byte_fallback_bpe(spec: dict) -> bool:
+    model = spec.get("model", {})
+    return model.get("type") == "BPE" and bool(model.get("byte_fallback"))
+
+
+def _tokenizer_spec(model_dir: Path) -> dict:
+    path = model_dir / "tokenizer.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def vocab_refusal(model_dir: Path) -> str | None:
+    """Why the converter cannot write the tokenizer of `model_dir` as a vocab llama.cpp
+    loads, if it cannot."""
+    spec = _tokenizer_spec(model_dir)
+    if (spec and (_is_byte_level(spec) or _is_byte_fallback_bpe(spec))) or (model_dir / "tokenizer.model").is_file():
+        return None
+    if not spec:
+        return "no tokenizer.json or tokenizer.model to convert"
+    kind = spec.get("model", {}).get("type", "unknown")
+    return (
+        f"its tokenizer.json is {kind}; the GGUF converter writes byte-level BPE, BPE with byte fallback "
+        "and SentencePiece (tokenizer.model) vocabularies"
+    )
+
+
+def _tokens(spec: dict, kinds: dict[int, TokenType], vocab_size: int) -> tuple[list[str], list[TokenType]]:
+    """Every id's text and llama.cpp token type (`kinds`' where it names one), the added
+    tokens included, padded to the embedding's rows."""
     texts: dict[int, str] = {i: t for t, i in spec["model"]["vocab"].items()}
-    kinds: dict[int, int] = {}
     for added in spec.get("added_tokens", []):
         texts[added["id"]] = added["content"]
         kinds[added["id"]] = TokenType.CONTROL if added.get("special") else TokenType.USER_DEFINED
@@ -92,12 +121,32 @@ def _write_sentencepiece(writer: GGUFWriter, model_dir: Path, vocab_size: int) -
     writer.add_token_types(types[:vocab_size])
 
 
+def _byte_fallback_tokens(spec: dict, vocab_size: int) -> tuple[list[str], list[float], list[TokenType]]:
+    """A BPE-with-byte-fallback vocab as SentencePiece's: llama.cpp's "llama" tokenizer
+    merges the adjacent pair of highest score, so a merged token's score is minus its
+    merge's rank and BPE's order is kept; <0xXX> tokens are bytes."""
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    scores = {i: 0.0 for i in vocab.values()}
+    for rank, merge in enumerate(spec["model"].get("merges", [])):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        if (i := vocab.get(left + right)) is not None and scores[i] == 0.0:
+            scores[i] = -float(rank + 1)
+    unk = spec["model"].get("unk_token")
+    kinds = {i: TokenType.BYTE for t, i in vocab.items() if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t)}
+    if unk in vocab:
+        kinds[vocab[unk]] = TokenType.UNKNOWN
+    tokens, types = _tokens(spec, kinds, vocab_size)
+    return tokens, [scores.get(i, -1000.0) for i in range(vocab_size)], types
+
+
 def write_vocab(writer: GGUFWriter, model_dir: Path, vocab_size: int) -> None:
     """The tokenizer's tokens, merges, special ids and chat template, as GGUF keys."""
     path = model_dir / "tokenizer.json"
-    spec = json.loads(path.read_text()) if path.is_file() else {}
+    spec = _tokenizer_spec(model_dir)
+    if (reason := vocab_refusal(model_dir)) is not None:
+        raise ValueError(f"{model_dir.name}: {reason}")
     if spec and _is_byte_level(spec):
-        tokens, types = _byte_level_tokens(spec, vocab_size)
+        tokens, types = _tokens(spec, {}, vocab_size)
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(_pre_tokenizer(Tokenizer.from_file(str(path))))
         writer.add_token_list(tokens)
@@ -107,5 +156,11 @@ def write_vocab(writer: GGUFWriter, model_dir: Path, vocab_size: int) -> None:
         _write_sentencepiece(writer, model_dir, vocab_size)
         special = SpecialVocab(model_dir, load_merges=False, n_vocab=vocab_size)
     else:
-        raise ValueError(f"{model_dir.name}: no byte-level BPE tokenizer.json and no tokenizer.model to convert")
+        tokens, scores, types = _byte_fallback_tokens(spec, vocab_size)
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        special = SpecialVocab(model_dir, load_merges=False, n_vocab=vocab_size)
     special.add_to_gguf(writer, quiet=True)

@@ -15,12 +15,15 @@ import numpy as np
 from loguru import logger
 
 from exo.engine.llamacpp.cores import threads
+from exo.engine.llamacpp.support import LlamaCppRefused
 
 # What llama.cpp logs at load (every tensor, every layer) is noise on a node's log; its
 # errors still go there. A CONT line continues the message before it (the progress dots
 # of a load continue an info line), so it goes where that one went.
 _LOG_ERROR, _LOG_CONT = 4, 5
 _last_level = 0
+# The error lines of the load under way, for the message that says why it failed.
+_load_errors: list[str] = []
 
 
 @llama_cpp.llama_log_callback
@@ -29,7 +32,9 @@ def _log(level: int, text: bytes | None, _user: ctypes.c_void_p) -> None:
     if level != _LOG_CONT:
         _last_level = level
     if _last_level == _LOG_ERROR and text and text.strip():
-        logger.error(f"llama.cpp: {text.decode(errors='replace').rstrip()}")
+        line = text.decode(errors="replace").rstrip()
+        logger.error(f"llama.cpp: {line}")
+        _load_errors.append(line)
 
 
 _initialised = False
@@ -99,9 +104,13 @@ class Model:
             callback = llama_cpp.llama_progress_callback(progress)
             self._keep.append(callback)
             params.progress_callback = callback
+        _load_errors.clear()
         model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), params)
         if not model:
-            raise RuntimeError(f"llama.cpp could not load {gguf}")
+            # Its first error line is the cause ("error loading model vocabulary: ...");
+            # the rest repeat that the load failed.
+            cause = _load_errors[0] if _load_errors else "no error logged"
+            raise LlamaCppRefused(f"llama.cpp could not load the GGUF: {cause}")
         self.ptr: Any = model
         self.vocab: Any = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)

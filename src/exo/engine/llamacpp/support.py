@@ -1,12 +1,20 @@
 """Which engine an instance runs on nodes that run llama.cpp: llama.cpp where it can run
-the model, else MLX on the same nodes. Pure, MLX-free: placement asks it with the model's
-card, and the runner again with the model's own config.json before it loads."""
+the model, else MLX on the same nodes. MLX-free: placement asks it with the model's card
+and the refusals nodes report, and the runner again with the model's own config.json and
+tokenizer before it loads.
+
+A refusal met later (llama.cpp would not load the converted GGUF) is recorded beside the
+GGUF cache, keyed like the GGUF by the dir's files and the converter's version: the node
+runs that model on MLX from then on without converting it again, and reports the record
+in its NodeInfo so placement and its preview say why."""
 
 import json
+import os
 import re
 from pathlib import Path
 
-from exo.engine.llamacpp.gguf_convert import supports
+from exo.engine.llamacpp.gguf_convert import cache_prefix, cache_stem, supports
+from exo.engine.llamacpp.gguf_vocab import vocab_refusal
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.instances import Sharding
 
@@ -58,6 +66,49 @@ def mlx_reason(card: ModelCard, sharding: Sharding, world_size: int, sealed: boo
     return None if refusal is None else f"runs on MLX: {refusal}"
 
 
-def config_refusal(model_dir: Path) -> str | None:
-    """Why llama.cpp cannot run the model in `model_dir`, from its own config.json."""
-    return supports(json.loads((model_dir / "config.json").read_text()))
+def dir_refusal(model_dir: Path) -> str | None:
+    """Why llama.cpp cannot run the model in `model_dir`, from its config.json and its
+    tokenizer: files every rank holds, so every rank of an instance finds the same."""
+    return supports(json.loads((model_dir / "config.json").read_text())) or vocab_refusal(model_dir)
+
+
+class LlamaCppRefused(RuntimeError):
+    """llama.cpp would not load a model exo converted for it; the message says why."""
+
+
+def gguf_cache_dir(home: Path | None = None) -> Path:
+    """Where a node keeps its converted GGUFs and its records of refused models."""
+    home = home or Path(os.environ.get("EXO_HOME", Path.home() / ".exo")).expanduser()
+    return home / "cache" / "gguf"
+
+
+def record_refusal(cache_dir: Path, model_dir: Path, model_id: str, reason: str) -> None:
+    """Remember that llama.cpp cannot run the model in `model_dir`, and drop its GGUF:
+    one llama.cpp would not load is of no use."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    stem = cache_stem(model_dir)
+    record = {"model_id": model_id, "model_dir": str(model_dir.resolve()), "stem": stem, "reason": reason}
+    (cache_dir / f"{stem}.refused").write_text(json.dumps(record))
+    for gguf in cache_dir.glob(f"{cache_prefix(model_dir)}*.gguf"):
+        gguf.unlink(missing_ok=True)
+
+
+def recorded_refusal(cache_dir: Path, model_dir: Path) -> str | None:
+    """Why llama.cpp refused the model in `model_dir` on this node, if it did since the
+    dir's files last changed."""
+    path = cache_dir / f"{cache_stem(model_dir)}.refused"
+    return json.loads(path.read_text())["reason"] if path.is_file() else None
+
+
+def recorded_refusals(cache_dir: Path) -> dict[str, str]:
+    """The models llama.cpp refused on this node, by id, with why: the records whose
+    model dir is still as it was."""
+    refusals: dict[str, str] = {}
+    for path in sorted(cache_dir.glob("*.refused")):
+        try:
+            record = json.loads(path.read_text())
+            if cache_stem(Path(record["model_dir"])) == record["stem"]:
+                refusals[record["model_id"]] = record["reason"]
+        except (OSError, ValueError, KeyError):
+            continue  # a dir gone or changed, or a record cut short: llama.cpp may try again
+    return refusals

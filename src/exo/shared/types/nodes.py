@@ -1,6 +1,6 @@
 """What a node tells the cluster about itself."""
 
-from exo.shared.types.common import FrozenModel, NodeId
+from exo.shared.types.common import FrozenModel, ModelId, NodeId
 from exo.shared.types.instances import EngineKind
 from exo.shared.types.topology import NetworkInterface
 
@@ -27,6 +27,10 @@ class NodeInfo(FrozenModel):
     # Its cluster messages are sealed by a cluster secret: a split then stays off
     # llama.cpp's RPC, which the secret does not cover.
     sealed: bool = False
+    # Models llama.cpp refused on this node (its loader would not take the converted
+    # GGUF, or the converter cannot write the model), with why: their instances run on
+    # MLX here, and placement and its preview say so.
+    llamacpp_refusals: dict[ModelId, str] = {}
     cpu_count: int
     memory: MemoryInfo
     # The NVIDIA GPUs the driver lists, in its order; MLX's CUDA backend computes on one

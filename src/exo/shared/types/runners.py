@@ -70,6 +70,9 @@ class RunnerReady(FrozenModel):
     kind: Literal["RunnerReady"] = "RunnerReady"
     prefix_cache: PrefixCacheStats | None = None
     memory: RunnerMemory | None = None
+    # Why the runner serves on MLX though its instance names llama.cpp (llama.cpp
+    # refused the model); None when it runs its instance's engine.
+    engine_reason: str | None = None
 
 
 class RunnerRunning(FrozenModel):
@@ -80,6 +83,7 @@ class RunnerRunning(FrozenModel):
     queued_tasks: int = 0
     prefix_cache: PrefixCacheStats | None = None
     memory: RunnerMemory | None = None
+    engine_reason: str | None = None  # as RunnerReady's
 
 
 class RunnerShuttingDown(FrozenModel):
