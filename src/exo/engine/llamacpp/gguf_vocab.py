@@ -103,13 +103,27 @@ def _tokens(spec: dict, kinds: dict[int, TokenType], vocab_size: int) -> tuple[l
     return tokens, types
 
 
+def _added_token_kinds(model_dir: Path) -> dict[int, TokenType]:
+    """The tokens transformers keeps whole (tokenizer.json's added tokens, or an older
+    tokenizer_config.json's added_tokens_decoder): control tokens if special, else user
+    defined, so llama.cpp keeps them whole too (as llama.cpp's converter marks them)."""
+    added = _tokenizer_spec(model_dir).get("added_tokens", [])
+    config_path = model_dir / "tokenizer_config.json"
+    if not added and config_path.is_file():
+        decoder = json.loads(config_path.read_text()).get("added_tokens_decoder", {})
+        added = [{"id": int(i), **token} for i, token in decoder.items()]
+    return {t["id"]: TokenType.CONTROL if t.get("special") else TokenType.USER_DEFINED for t in added}
+
+
 def _write_sentencepiece(writer: GGUFWriter, model_dir: Path, vocab_size: int) -> None:
     vocab = SentencePieceVocab(model_dir)
+    added = _added_token_kinds(model_dir)
     tokens, scores, types = [], [], []
-    for text, score, kind in vocab.all_tokens():
+    for i, (text, score, kind) in enumerate(vocab.all_tokens()):
         tokens.append(text)
         scores.append(score)
-        types.append(kind)
+        # Unknown and byte tokens keep their kind; gguf types user-defined pieces normal.
+        types.append(added.get(i, kind) if kind == TokenType.NORMAL else kind)
     for i in range(len(tokens), vocab_size):
         tokens.append(f"[PAD{i}]".encode())
         scores.append(-1000.0)
