@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from exo.devtools.tiny_models import make_tiny_llama
-from exo.engine.llamacpp.gguf_convert import cache_stem
+from exo.engine.llamacpp.gguf_convert import cache_prefix, cache_stem, gguf_for
 from exo.engine.llamacpp.support import record_refusal, recorded_refusal, recorded_refusals
 from exo.master.placement import instance_previews, place_instance
 from exo.shared.models.model_cards import ModelCard, ModelTask, StorageSize
@@ -44,6 +44,9 @@ def test_a_refusal_is_kept_while_the_dir_is_unchanged_and_replaces_its_gguf(tiny
     weights = model_dir / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     assert recorded_refusal(cache, model_dir) is None and recorded_refusals(cache) == {}
+    # Converting the new files drops the stale record with the stale GGUFs.
+    gguf_for(model_dir, cache)
+    assert sorted(p.suffix for p in cache.iterdir() if p.name.startswith(cache_prefix(model_dir))) == ["", ".gguf"]
 
 
 def llamacpp_node(name: str, refusals: dict[str, str]) -> NodeInfo:

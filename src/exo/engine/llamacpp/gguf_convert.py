@@ -564,7 +564,8 @@ def gguf_for(model_dir: Path, cache_dir: Path, on_progress: Progress | None = No
             partial = path.with_suffix(".partial")
             convert(model_dir, partial, on_progress)
             os.replace(partial, path)
-            for old in cache_dir.glob(f"{prefix}*.gguf"):
+            # Older GGUFs, and llama.cpp's refusals of older files (support.py's records).
+            for old in [*cache_dir.glob(f"{prefix}*.gguf"), *cache_dir.glob(f"{prefix}*.refused")]:
                 if old != path:
                     old.unlink()
     return path
