@@ -39,7 +39,14 @@ from exo.engine.mlx.memory import (
     limit_buffer_cache,
     score_bytes_per_pair,
 )
-from exo.engine.mlx.parallel import agree_on_minimum, broadcast_bytes, connect_group, inner_model, set_pipeline_sharing
+from exo.engine.mlx.parallel import (
+    agree_on_minimum,
+    broadcast_bytes,
+    collective_stream,
+    connect_group,
+    inner_model,
+    set_pipeline_sharing,
+)
 from exo.engine.mlx.vision import (
     VisionEncoder,
     VisionPrompt,
@@ -192,6 +199,8 @@ class MlxEngine:
 
     def connect(self, instance: Instance, shard: ShardMetadata) -> None:
         self.group = connect_group(instance, shard)
+        # Taken in the thread that steps: MLX's default streams are per thread.
+        self.collective_stream = collective_stream(generation_stream)
 
     def load(
         self,
@@ -256,8 +265,8 @@ class MlxEngine:
         kv_tokens = (spare - scores) * 4 // 5 // per_token
         area = scores // score_bytes_per_pair(self.config)
         if self.group is not None:
-            kv_tokens = agree_on_minimum(kv_tokens, self.group, generation_stream)
-            area = agree_on_minimum(area, self.group, generation_stream)
+            kv_tokens = agree_on_minimum(kv_tokens, self.group, self.collective_stream)
+            area = agree_on_minimum(area, self.group, self.collective_stream)
         scheduler.budget = Budget(
             kv_tokens=kv_tokens,
             step_tokens=step,
@@ -307,7 +316,7 @@ class MlxEngine:
         if self.group is None:
             return ops
         payload = _RANK_OPS.dump_json(ops) if ops else None
-        received = broadcast_bytes(None if self.is_follower else payload, self.group, generation_stream)
+        received = broadcast_bytes(None if self.is_follower else payload, self.group, self.collective_stream)
         return _RANK_OPS.validate_json(received) if received else []
 
     def _apply_ops(self) -> list[RankOp]:
@@ -394,7 +403,7 @@ class MlxEngine:
                 # The other ranks are about to wait for this prompt: they must hear of it.
                 failure = str(error) or type(error).__name__
         if self.group is not None:
-            vision = share_prompt(vision, self.group, generation_stream, failure)
+            vision = share_prompt(vision, self.group, self.collective_stream, failure)
         return vision
 
     def _logits_processors(self, params: TextGenerationTaskParams, max_tokens: int, grammar: str | None) -> list[Any]:

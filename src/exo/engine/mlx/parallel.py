@@ -246,12 +246,24 @@ def _ring_open(sealed: bytes) -> bytes:
     return aead.decrypt(sealed[:_RING_NONCE_BYTES], sealed[_RING_NONCE_BYTES:], _RING_AAD)
 
 
+def collective_stream(generation_stream: mx.Stream | mx.ThreadLocalStream) -> mx.Stream:
+    """The stream a forward pass's own collectives (pipeline send / recv, tensor
+    all-sums) run on, in the calling thread; the engine's other collectives must run on
+    it too, in the same order on every rank. The ring backend computes on the CPU: it
+    puts collectives on the default CPU stream, which inside generation on a CPU node is
+    generation_stream itself, and on a CUDA or Metal node the thread's own CPU stream.
+    Given generation_stream there (a GPU stream), the ring looks for a CPU stream of its
+    index and fails with "There is no Stream(cpu, N) in current thread", as every rank of
+    a split on NVIDIA did."""
+    with mx.stream(generation_stream):
+        return mx.default_stream(mx.cpu)
+
+
 def broadcast_bytes(payload: bytes | None, group: mx.distributed.Group, stream: Any) -> bytes:
     """Rank 0's payload, on every rank (others pass None). Two small all-sums: the size,
     then the bytes (sealed with the cluster secret when there is one). `stream` must be
-    the one generation runs on: collectives of one group must run in the same order on
-    every rank, and a token's forward pass may still be in flight (mlx-lm evaluates the
-    next token asynchronously)."""
+    `collective_stream`: a token's forward pass may still be in flight (mlx-lm evaluates
+    the next token asynchronously), and its collectives must come first on every rank."""
     is_root = group.rank() == 0
     if is_root and payload:
         payload = _ring_seal(payload)
