@@ -13,6 +13,9 @@ tensor and pipeline, over a 48-token prompt (past that point) and 8 decode steps
 must give the single process's logits within 1e-4; so must a tensor split of the model
 quantized (4 and 8 bits, group 32: wq_b, wo_a and the experts quantized).
 
+test_deepseek_v4_reference.py holds the same module against DeepSeek's own inference code
+(its kernels in float32 torch) on the issue-33 model, where the three agree too.
+
 Which reference is right once the indexer drops entries. DeepSeek's own inference code
 (inference/model.py of the model repository: `Indexer.forward`, `get_compress_topk_idxs`,
 `Attention.forward`) is the primary source; transformers 5.24's `DeepseekV4Indexer` and
@@ -39,11 +42,6 @@ as closely. The issue's 0.48 at its position 36 (35 from 0) and 0.13 between tra
 not reproduce on this code with these weights (seeds 0-5, initializer_range 0.08 and
 0.2, transformers' own init and ours); both would fail the tests below."""
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +56,7 @@ from exo.devtools.onboard import engine_run, load_engine_model, reference_run, w
 from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import make_tiny, make_tiny_model
 from exo.engine.mlx.models.deepseek_v4 import _FP4_VALUES, DeepseekV4Cache, Model, dequantize_fp4, dequantize_fp8
+from tests.support.ranks import run_ranks
 
 PROMPT_LEN = 64
 DECODE_STEPS = 32
@@ -337,46 +336,14 @@ def test_deepseek_fp8_and_fp4_weights_dequantize() -> None:
     assert np.array_equal(values, np.array(_FP4_VALUES, dtype=np.float32)[codes] * 2)
 
 
-# 1 vs 2 processes. Each rank registers our model module before parallel_check loads.
-RANK_LAUNCHER = (
-    "import runpy, sys; sys.modules['torch'] = None; import exo.engine.mlx.models; "
-    "runpy.run_module('exo.devtools.parallel_check', run_name='__main__', alter_sys=True)"
-)
+# 1 vs 2 processes (tests/support/ranks.py).
 PARALLEL_PROMPT = [(i * 37 + 11) % 320 for i in range(48)]
 PARALLEL_DECODE_STEPS = 8
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
 def _run(model_dir: Path, out_dir: Path, sharding: str, world_size: int) -> list[dict[str, np.ndarray]]:
-    hosts = ",".join(f"127.0.0.1:{port}" for port in _free_ports(world_size))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
-    procs = []
-    for rank in range(world_size):
-        cmd = [
-            sys.executable, "-c", RANK_LAUNCHER, str(model_dir), str(out_dir / f"{sharding}{rank}.npz"),
-            "--sharding", sharding, "--world-size", str(world_size), "--rank", str(rank), "--hosts", hosts,
-            "--prompt", json.dumps(PARALLEL_PROMPT), "--decode-steps", str(PARALLEL_DECODE_STEPS),
-        ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env))
-    try:
-        outputs = [proc.communicate(timeout=180)[0].decode(errors="replace") for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{outputs[rank][-3000:]}"
-    return [dict(np.load(out_dir / f"{sharding}{rank}.npz")) for rank in range(world_size)]
+    decode = ["--decode-steps", str(PARALLEL_DECODE_STEPS)]
+    return run_ranks(model_dir, out_dir, sharding, world_size, PARALLEL_PROMPT, decode, timeout_s=180)
 
 
 @pytest.fixture(scope="module")

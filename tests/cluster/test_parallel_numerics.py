@@ -15,7 +15,6 @@ every case."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import make_tiny
 from exo.shared.models.families import has_tensor_strategy
+from tests.support.ranks import free_ports
 
 PROMPT = [(i * 37 + 11) % 320 for i in range(32)]  # every tiny vocab has >= 384 tokens
 DECODE_STEPS = 16
@@ -109,20 +109,9 @@ def references(model_dirs: dict[str, Path]) -> dict[str, dict[str, np.ndarray]]:
     return Computed()
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def _run_ranks(model_dir: Path, sharding: str, world_size: int, out_dir: Path) -> list[dict[str, np.ndarray]]:
     """Starts every rank at once and waits for all; the first failure kills the rest."""
-    hosts = ",".join(f"127.0.0.1:{port}" for port in _free_ports(world_size))
+    hosts = ",".join(f"127.0.0.1:{port}" for port in free_ports(world_size))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
     procs, logs = [], []
     for rank in range(world_size):

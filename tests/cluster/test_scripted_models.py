@@ -4,7 +4,6 @@ tool call out of it."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from exo.devtools.scripted_models import make_scripted_model, render_prompt
 from exo.engine.parsing.base import Parsed
 from exo.engine.parsing.output import make_output_parser, think_markers_for, tool_format_for
 from exo.engine.parsing.reasoning import prompt_opens_reasoning
+from tests.support.ranks import free_ports
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
@@ -148,21 +148,10 @@ RANK_LAUNCHER = (
 RANK_TIMEOUT_S = 180.0
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def _pipeline_tokens(model_dir: Path, prompt: list[int], steps: int, out_dir: Path) -> list[list[int]]:
     """The greedy tokens each rank of a 2-way pipeline split (the engine's own loading and
     sharding, over the MLX ring on loopback) produces after `prompt`."""
-    hosts = ",".join(f"127.0.0.1:{port}" for port in _free_ports(2))
+    hosts = ",".join(f"127.0.0.1:{port}" for port in free_ports(2))
     env = {key: value for key, value in os.environ.items() if not key.startswith("MLX_")}
     procs = []
     for rank in range(2):

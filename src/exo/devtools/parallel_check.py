@@ -1,6 +1,7 @@
 """Runs one rank of a model split over an MLX ring and records its logits, so tests can
 compare 1, 2 and 4 processes on the same prompt. Uses the engine's real loading and
-sharding code.
+sharding code. With `--schedules` it records instead the logits at every prompt position
+for each way of feeding the prompt through the cache (whole, in chunks, token by token).
 
     python -m exo.devtools.parallel_check MODEL_DIR OUT.npz --sharding pipeline \\
         --world-size 2 --rank 0 --hosts 127.0.0.1:5000,127.0.0.1:5001
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -21,7 +23,7 @@ from exo.engine.mlx.parallel import connect_group
 from exo.master.placement import split_layers
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.instances import Instance, ShardAssignments, Sharding
-from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 
 
 def build_instance(model_dir: Path, sharding: Sharding, world_size: int, hosts: list[str]) -> Instance:
@@ -55,10 +57,15 @@ def build_instance(model_dir: Path, sharding: Sharding, world_size: int, hosts: 
     )
 
 
-def run_rank(model_dir: Path, instance: Instance, rank: int, prompt: list[int], decode_steps: int) -> dict:
+def load_rank(model_dir: Path, instance: Instance, rank: int) -> tuple[nn.Module, ShardMetadata]:
     shard = instance.shard_assignments.runner_to_shard[RunnerId(f"rank{rank}")]
     group = connect_group(instance, shard)
     model, _ = load_shard(model_dir, shard, group, lambda done, total: None)
+    return model, shard
+
+
+def run_rank(model_dir: Path, instance: Instance, rank: int, prompt: list[int], decode_steps: int) -> dict:
+    model, shard = load_rank(model_dir, instance, rank)
     cache = make_prompt_cache(model)
     # The prompt goes in as the engine sends it: all but the last token by the engine's
     # prefill (overlapped micro-chunks across pipeline ranks), then the last one.
@@ -73,6 +80,22 @@ def run_rank(model_dir: Path, instance: Instance, rank: int, prompt: list[int], 
     return {"logits": np.array(mx.stack(all_logits).astype(mx.float32)), "tokens": np.array(tokens)}
 
 
+def logits_per_schedule(model: nn.Module, prompt: list[int], schedules: dict[str, list[int]]) -> dict[str, np.ndarray]:
+    """For each schedule (the lengths of the calls, summing to the prompt's), the logits
+    [len(prompt), vocab] of a fresh cache fed the prompt in those calls."""
+    results = {}
+    for name, pieces in schedules.items():
+        if sum(pieces) != len(prompt):
+            raise ValueError(f"schedule {name} covers {sum(pieces)} of {len(prompt)} tokens")
+        cache, logits, start = make_prompt_cache(model), [], 0
+        for length in pieces:
+            out = model(mx.array(prompt[start : start + length])[None], cache=cache)[0]
+            logits.append(np.array(out.astype(mx.float32)))
+            start += length
+        results[name] = np.concatenate(logits)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir", type=Path)
@@ -83,10 +106,17 @@ def main() -> None:
     parser.add_argument("--hosts", default="")
     parser.add_argument("--prompt", default="[]", help="JSON list of token ids")
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--schedules", help="JSON object: name -> lengths of the calls feeding the prompt")
     args = parser.parse_args()
     sharding = Sharding.Pipeline if args.sharding == "pipeline" else Sharding.Tensor
     instance = build_instance(args.model_dir, sharding, args.world_size, [h for h in args.hosts.split(",") if h])
-    result = run_rank(args.model_dir, instance, args.rank, json.loads(args.prompt), args.decode_steps)
+    prompt = json.loads(args.prompt)
+    result: dict  # arrays by name, for np.savez
+    if args.schedules:
+        model, _ = load_rank(args.model_dir, instance, args.rank)
+        result = logits_per_schedule(model, prompt, json.loads(args.schedules))
+    else:
+        result = run_rank(args.model_dir, instance, args.rank, prompt, args.decode_steps)
     np.savez(args.out, **result)
 
 
