@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
+from tokenizers.processors import TemplateProcessing
 
 from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import write_tokenizer
@@ -184,15 +185,18 @@ def _gemma4_moe_text() -> dict[str, Any]:
     return {**text, "use_bidirectional_attention": "vision"}
 
 
-def make_tiny_gemma4_vlm(path: Path, seed: int = 0, layout: str = "e2b") -> Path:
+def make_tiny_gemma4_vlm(
+    path: Path, seed: int = 0, layout: str = "e2b", tokens: dict[str, str] = GEMMA4_TOKENS
+) -> Path:
     """Gemma 4 with its vision tower and projector, of the E2B/E4B layout (per-layer
     inputs, KV-shared layers, causal attention over image tokens) or, with layout
-    "26b", the 26B-A4B one (MoE, k_eq_v, bidirectional image attention on sliding layers)."""
+    "26b", the 26B-A4B one (MoE, k_eq_v, bidirectional image attention on sliding layers).
+    `tokens`: the tokenizer's special tokens (image, boi and eoi among them)."""
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     path = Path(path)
-    ids = write_vlm_tokenizer(path, GEMMA4_TOKENS, GEMMA4_TOKENS["image_token"])
+    ids = write_vlm_tokenizer(path, tokens, tokens["image_token"])
     text = copy.deepcopy(TINY_CONFIGS["gemma4"]["text_config"]) if layout == "e2b" else _gemma4_moe_text()
     text.update(vocab_size=ids["vocab_size"], pad_token_id=0)
     if text.get("hidden_size_per_layer_input"):
@@ -234,6 +238,147 @@ def make_tiny_gemma4_vlm(path: Path, seed: int = 0, layout: str = "e2b") -> Path
     }
     (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
     return path
+
+
+# Gemma 4's image and audio tokens and turn markers as the hub's tokenizers name them
+# (Gemma4Processor wants the audio ones named even for images). config.json's audio id
+# stays outside the vocabulary, as make_tiny_gemma4_vlm sets it.
+GEMMA4_HUB_TOKENS = {
+    "image_token": "<|image|>",
+    "boi_token": "<|image>",
+    "eoi_token": "<image|>",
+    "audio_token": "<|audio|>",
+    "boa_token": "<|audio>",
+    "eoa_token": "<audio|>",
+    "sot_token": "<|turn>",
+    "eot_token": "<turn|>",
+}
+
+
+def gemma4_hub_template(image: str = "<|image|>", bos: bool = True) -> str:
+    """The user and model turns of the hub's Gemma 4 chat template: `image` is what it
+    writes for an image part (the 26B-A4B/31B template's bare token, or earlier ones'
+    with blank lines around it); `bos`: whether it writes the BOS itself."""
+    return (
+        ("{{- bos_token -}}" if bos else "") + "{%- for message in messages -%}"
+        "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+        "{{- '<|turn>' + role + '\\n' -}}"
+        "{%- if message['content'] is string -%}{{- message['content'] | trim -}}{%- else -%}"
+        "{%- for item in message['content'] -%}"
+        "{%- if item['type'] == 'text' -%}{{- item['text'] | trim -}}"
+        "{%- elif item['type'] == 'image' -%}{{- " + repr(image) + " -}}{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{{- '<turn|>\\n' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|turn>model\\n' -}}{%- endif -%}"
+    )
+
+
+def make_tiny_gemma4_hub_vlm(
+    path: Path,
+    image: str = "<|image|>",
+    bos: bool = True,
+    max_soft_tokens: int = 280,
+    template_file: str = "chat_template.jinja",
+    tokenizer_adds_bos: bool = False,
+    config_markers: bool = True,
+    seed: int = 0,
+) -> Path:
+    """The 26B-A4B-layout Gemma 4 VLM with its processor's files as the hub's checkpoints
+    lay them out: processor_config.json with the image processor's fields nested (no
+    preprocessor_config.json), the chat template in chat_template.jinja or, with
+    `template_file` "processor_config.json" or "chat_template.json", the processor's
+    alone while the tokenizer keeps a template of its own. `tokenizer_adds_bos`: the tokenizer adds a
+    BOS (as one whose template writes none does); `config_markers`: config.json names the
+    begin/end-of-image ids (else only the tokenizer names those tokens)."""
+    path = make_tiny_gemma4_vlm(Path(path), seed, layout="26b", tokens=GEMMA4_HUB_TOKENS)
+    saved = json.loads((path / "preprocessor_config.json").read_text())
+    (path / "preprocessor_config.json").unlink()
+    image_processor = {**saved, "max_soft_tokens": max_soft_tokens, "image_seq_length": max_soft_tokens}
+    image_processor.pop("processor_class")
+    processor: dict[str, Any] = {
+        "image_processor": image_processor,
+        "image_seq_length": max_soft_tokens,
+        "processor_class": "Gemma4Processor",
+    }
+    template = gemma4_hub_template(image, bos)
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    if template_file == "processor_config.json":
+        processor["chat_template"] = template
+    elif template_file == "chat_template.json":
+        # The processor's legacy file.
+        (path / template_file).write_text(json.dumps({"chat_template": template}))
+    else:
+        tokenizer_config.pop("chat_template")
+        (path / template_file).write_text(template)
+    tokenizer_config["processor_class"] = "Gemma4Processor"
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (path / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    if tokenizer_adds_bos:
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        bos_id = tokenizer.token_to_id("<|bos|>")
+        tokenizer.post_processor = TemplateProcessing(  # pyright: ignore[reportAttributeAccessIssue]
+            single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", bos_id)]
+        )
+        tokenizer.save(str(path / "tokenizer.json"))
+    if not config_markers:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "boi_token_id": None, "eoi_token_id": None}, indent=2))
+    return path
+
+
+def processor_inputs(path: Path, question: str, image: Any) -> Any:
+    """transformers' own processor of the model dir's family (Gemma4Processor,
+    Qwen2_5_VLProcessor, Qwen3VLProcessor), loaded as from_pretrained loads it (its chat
+    template, tokenizer and image processor), on one user turn of an image then
+    `question`: apply_chat_template's tokenized inputs (torch tensors). The video
+    processor is not loaded: it needs torchvision, which exo does not install; an
+    image-only prompt never reaches it (an image processor stands in its place)."""
+    from transformers import Gemma4Processor, Qwen2_5_VLProcessor, Qwen3VLProcessor
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    family: Any = {"gemma4": Gemma4Processor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[
+        model_type
+    ]
+
+    class ImageOnlyProcessor(family):
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor":
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    parts: dict[str, Any] = {"video_processor": Gemma4ImageProcessorPil()}
+    if model_type == "gemma4":
+        parts["feature_extractor"] = Gemma4AudioFeatureExtractor()
+    processor = ImageOnlyProcessor.from_pretrained(str(path), **parts)
+    content = [{"type": "image", "image": image}, {"type": "text", "text": question}]
+    return processor.apply_chat_template(
+        [{"role": "user", "content": content}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
+
+
+def gemma4_processor_reference(path: Path, question: str, image: Any) -> tuple[list[int], list[float]]:
+    """Gemma4Processor's input_ids for an image then `question` (processor_inputs), and
+    transformers' model's first-token log-probabilities over them."""
+    import torch
+    from transformers import Gemma4ForConditionalGeneration
+
+    inputs = processor_inputs(path, question, image)
+    model = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(
+            input_ids=inputs["input_ids"],
+            mm_token_type_ids=inputs["mm_token_type_ids"],
+            pixel_values=inputs["pixel_values"],
+            image_position_ids=inputs["image_position_ids"],
+        ).logits
+    return inputs["input_ids"][0].tolist(), torch.log_softmax(logits[0, -1].float(), dim=-1).tolist()
 
 
 def make_tiny_qwen2_5_vl(path: Path, seed: int = 0) -> Path:

@@ -95,16 +95,23 @@ def encode_prompt(
     model_type: str = "",
     dialect: str = "none",
     think_markers: tuple[str, str] | None = None,
+    as_processor: bool = False,
 ) -> tuple[list[int], str]:
     """Prompt token ids and text, as every engine feeds them. A raw prompt (text or ids) is
-    used as it is. `tokenizer` has `encode(text, add_special_tokens=...)` and `decode`."""
+    used as it is. `tokenizer` has `encode(text, add_special_tokens=...)` and `decode`.
+    `as_processor`: tokenized as a VLM's processor does (a prompt with images)."""
     if isinstance(params.prompt, list):
         return list(params.prompt), tokenizer.decode(params.prompt)
     if params.prompt is not None:
         return tokenizer.encode(params.prompt, add_special_tokens=False), params.prompt
     text = render_prompt(tokenizer, params, model_type, dialect)
-    # The template already wrote any BOS it wants.
-    tokens = tokenizer.encode(text, add_special_tokens=False)
+    # The template already wrote any BOS it wants. A processor (transformers'
+    # ProcessorMixin.apply_chat_template) adds the tokenizer's special tokens unless the
+    # prompt starts with BOS: a template that writes none still gets the one a Gemma
+    # tokenizer adds.
+    bos = getattr(tokenizer, "bos_token", None)
+    special = as_processor and not (isinstance(bos, str) and text.startswith(bos))
+    tokens = tokenizer.encode(text, add_special_tokens=special)
     if think_markers is not None:
         # An answer sent back as "thought</think>answer" (its start was in the earlier
         # generation prompt) would leave an end marker the model never saw opened.

@@ -18,8 +18,13 @@ def detected_think_markers(tokenizer: TokenizerWrapper, model_type: str) -> tupl
 
 
 def encode_prompt(
-    tokenizer: TokenizerWrapper, params: TextGenerationTaskParams, model_type: str = "", dialect: str = "none"
+    tokenizer: TokenizerWrapper,
+    params: TextGenerationTaskParams,
+    model_type: str = "",
+    dialect: str = "none",
+    as_processor: bool = False,
 ) -> tuple[list[int], str]:
-    """Prompt token ids and text. A raw prompt (text or ids) is used as it is."""
+    """Prompt token ids and text. A raw prompt (text or ids) is used as it is;
+    `as_processor`: tokenized as a VLM's processor does (a prompt with images)."""
     markers = detected_think_markers(tokenizer, model_type)
-    return chat_prompt.encode_prompt(tokenizer, params, model_type, dialect, markers)
+    return chat_prompt.encode_prompt(tokenizer, params, model_type, dialect, markers, as_processor)

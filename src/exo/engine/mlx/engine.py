@@ -217,7 +217,7 @@ class MlxEngine:
         # The tower runs on rank 0 alone; the other ranks get its features (share_prompt).
         self.vision = None if self.is_follower else load_vision(model_dir)
         if self.vision is not None:
-            self.vision.bind(inner_model(self.model))
+            self.vision.bind(inner_model(self.model), self.tokenizer)
         first_layer = shard.start_layer if isinstance(shard, PipelineShardMetadata) else 0
         self.image_attention = install_image_attention(model_dir, inner_model(self.model), first_layer)
         self.pipeline_ranks = shard.world_size if isinstance(shard, PipelineShardMetadata) else 1
@@ -364,12 +364,7 @@ class MlxEngine:
         if op.grammar is not None and params.enable_thinking is None:
             # The grammar holds from the first token; a thinking block would swallow it.
             params = params.model_copy(update={"enable_thinking": False})
-        prompt, prompt_text = encode_prompt(self.tokenizer, params, self.model_type, self.reasoning_dialect)
-        if not prompt:
-            prompt = [self.tokenizer.bos_token_id or 0]
-        vision = self._vision_prompt(op.request_id, params, prompt)
-        if vision is not None:
-            prompt = vision.tokens
+        prompt, prompt_text, vision = self.prompt_of(op.request_id, params)
         mx.random.seed(op.seed)
         max_tokens = max_tokens_of(params)
         answer = AnswerStream(
@@ -383,6 +378,21 @@ class MlxEngine:
         work = _Work(self._sampler(params), self._logits_processors(params, max_tokens, op.grammar), vision)
         key = vision.key if vision is not None else []
         self._scheduler().add(Request(op.request_id, prompt, answer, logprobs_wanted(params), work, key))
+
+    def prompt_of(
+        self, request_id: CommandId, params: TextGenerationTaskParams
+    ) -> tuple[list[int], str, VisionPrompt | None]:
+        """The prompt's token ids as prefill feeds them (each image's run of soft tokens in
+        place), its text, and its images. A prompt with images is tokenized as the model
+        dir's processor tokenizes it."""
+        assert self.tokenizer is not None
+        prompt, prompt_text = encode_prompt(
+            self.tokenizer, params, self.model_type, self.reasoning_dialect, as_processor=bool(params.images)
+        )
+        if not prompt:
+            prompt = [self.tokenizer.bos_token_id or 0]
+        vision = self._vision_prompt(request_id, params, prompt)
+        return (vision.tokens if vision is not None else prompt), prompt_text, vision
 
     def _vision_prompt(
         self, request_id: CommandId, params: TextGenerationTaskParams, prompt: list[int]

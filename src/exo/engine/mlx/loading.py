@@ -14,7 +14,9 @@ from mlx_lm.utils import load_model, load_tokenizer
 import exo.engine.mlx.models  # noqa: F401  (registers exo's own model modules, DeepSeek V4, with mlx-lm)
 from exo.engine.base import LayerProgress
 from exo.engine.mlx.parallel import shard_model
+from exo.engine.mlx.vision import processor_chat_template
 from exo.shared.models.families import family_facts
+from exo.shared.models.vision import vision_runs
 from exo.shared.models.weight_files import INDEX_FILE, files_for_layers
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
 
@@ -79,6 +81,9 @@ def load_shard(
     model, config = load_model(model_dir, lazy=True, strict=not holds_only_some_shards(model_dir, shard))
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     add_family_eos_ids(tokenizer, config["model_type"])
+    if vision_runs(config) and (template := processor_chat_template(model_dir)) is not None:
+        # Every rank renders with it: a VLM's prompts are its processor's.
+        tokenizer._tokenizer.chat_template = template
     # Shard while the weights are still lazy, so only this rank's part is ever read.
     shard_model(model, config["model_type"], shard, group)
     # Still lazy: the sizes are this rank's share, nothing is read yet.

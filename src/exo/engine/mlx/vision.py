@@ -242,9 +242,17 @@ class VisionEncoder:
         # Or as text the tokenizer reads (Kimi-VL's has a word inside its markers).
         self.placeholder_text = placeholder_text
 
-    def bind(self, inner: Any) -> None:
-        """Takes the language model's embedding scale (Gemma multiplies its inputs by it)."""
+    def bind(self, inner: Any, tokenizer: Any) -> None:
+        """Takes the language model's embedding scale (Gemma multiplies its inputs by it),
+        and the begin and end-of-image markers from the tokenizer where it names them:
+        Gemma4Processor writes the tokenizer's boi/eoi tokens around each run, whatever
+        config.json's ids say."""
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
+        for marker in ("boi", "eoi"):
+            token = getattr(tokenizer, f"{marker}_token", None)
+            token_id = tokenizer.convert_tokens_to_ids(token) if isinstance(token, str) and token else None
+            if isinstance(token_id, int):
+                setattr(self, f"{marker}_token_id", token_id)
 
     def raw_prompt(
         self, tokenizer: Any, text: str, images: list[tuple[str, bytes]]
@@ -487,6 +495,24 @@ def attach_prompt_images(cache: list[Any], prompt: VisionPrompt | None) -> None:
     attach_positions(cache, prompt.positions if prompt is not None else None)
     attach_deepstack(cache, prompt.deepstack if prompt is not None else None)
     attach_image_spans(cache, prompt.spans if prompt is not None and prompt.whole_runs else None)
+
+
+def processor_chat_template(model_dir: Path) -> str | None:
+    """The chat template of the model dir's processor where it has one of its own, as
+    transformers' ProcessorMixin reads it: processor_config.json's, else the legacy
+    chat_template.json's. (chat_template.jinja is the tokenizer's as well.) A VLM's
+    prompts are the processor's: a checkpoint whose processor template writes an image
+    otherwise than the tokenizer's (Gemma 4's newlines around it) would get another prompt."""
+    for name in ("processor_config.json", "chat_template.json"):
+        path = model_dir / name
+        if not path.exists():
+            continue
+        template = json.loads(path.read_text()).get("chat_template")
+        if isinstance(template, dict):
+            template = cast(dict[str, Any], template).get("default")
+        if isinstance(template, str):
+            return template
+    return None
 
 
 def load_vision(model_dir: Path) -> VisionEncoder | None:
