@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
@@ -14,10 +15,10 @@ from transformers import PreTrainedTokenizerFast
 from exo.api.errors import ApiError
 from exo.api.images import resolve_images
 from exo.api.port import ClusterPort
-from exo.engine.encoding.chat_prompt import render_prompt
+from exo.engine.encoding.chat_prompt import processor_adds_special_tokens, render_prompt
 from exo.engine.parsing.output import think_markers_for, vocabulary_think_markers
 from exo.shared.models.model_cards import ModelCard
-from exo.shared.models.vision import image_prompt_tokens
+from exo.shared.models.vision import image_processor_fields, image_prompt_tokens, processor_chat_template, vision_runs
 from exo.shared.types.text_generation import TextGenerationTaskParams, image_hashes_in_order
 
 # MLX seeds its generator with an unsigned 64-bit integer.
@@ -42,11 +43,16 @@ class ChatTokenizer:
     has_thinking: bool
 
 
-def _model_type_at(path: Path) -> str:
+def _config_at(path: Path) -> dict[str, Any]:
     try:
-        return str(json.loads((path / "config.json").read_text()).get("model_type", ""))
-    except (OSError, ValueError, AttributeError):  # no readable config: no family facts
-        return ""
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):  # no readable config: no family facts
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _model_type_at(path: Path) -> str:
+    return str(_config_at(path).get("model_type", ""))
 
 
 @lru_cache(maxsize=8)
@@ -59,6 +65,9 @@ def chat_tokenizer_at(path: Path) -> ChatTokenizer | None:
     # Where mlx-lm's TokenizerWrapper finds think tokens, the engine renders the template
     # with enable_thinking on unless the request says otherwise.
     has_thinking = vocabulary_think_markers(template.get_vocab()) is not None
+    # A VLM renders with its processor's template, as the engine does (engine/mlx/loading.py).
+    if vision_runs(_config_at(path)) and (processor_template := processor_chat_template(path)) is not None:
+        template.chat_template = processor_template
     return ChatTokenizer(template, model_type, has_thinking)
 
 
@@ -89,7 +98,9 @@ def chat_prompt_token_count(chat: ChatTokenizer, params: TextGenerationTaskParam
         text = render_prompt(chat.template, params, chat.model_type, dialect)
     except Exception:  # a template that raises on this conversation
         return None
-    return len(chat.template.encode(text, add_special_tokens=False))
+    # With images the engine tokenizes as the model's processor does.
+    special = bool(params.images) and processor_adds_special_tokens(chat.template, text)
+    return len(chat.template.encode(text, add_special_tokens=special))
 
 
 def prompt_token_count(tokenizer: Tokenizer, params: TextGenerationTaskParams) -> int:
@@ -162,10 +173,9 @@ def _prompt_tokens(
 
 @lru_cache(maxsize=8)
 def _vision_configs(path: Path) -> tuple[dict, dict] | None:
-    try:
-        return json.loads((path / "config.json").read_text()), json.loads((path / "preprocessor_config.json").read_text())
-    except (OSError, ValueError):  # no processor config: only the placeholders count
-        return None
+    config, processor = _config_at(path), image_processor_fields(path)
+    # No processor config: only the placeholders count.
+    return (config, processor) if config and processor is not None else None
 
 
 def _image_tokens(model_dir: Path | None, params: TextGenerationTaskParams) -> int:

@@ -89,6 +89,14 @@ def render_prompt(tokenizer: Any, params: TextGenerationTaskParams, model_type: 
     )
 
 
+def processor_adds_special_tokens(tokenizer: Any, text: str) -> bool:
+    """Whether a VLM's processor tokenizes `text` with the tokenizer's special tokens:
+    transformers' ProcessorMixin.apply_chat_template adds them unless the prompt starts
+    with BOS, so a template that writes none still gets the one a Gemma tokenizer adds."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return not (isinstance(bos, str) and bos and text.startswith(bos))
+
+
 def encode_prompt(
     tokenizer: Any,
     params: TextGenerationTaskParams,
@@ -105,13 +113,8 @@ def encode_prompt(
     if params.prompt is not None:
         return tokenizer.encode(params.prompt, add_special_tokens=False), params.prompt
     text = render_prompt(tokenizer, params, model_type, dialect)
-    # The template already wrote any BOS it wants. A processor (transformers'
-    # ProcessorMixin.apply_chat_template) adds the tokenizer's special tokens unless the
-    # prompt starts with BOS: a template that writes none still gets the one a Gemma
-    # tokenizer adds.
-    bos = getattr(tokenizer, "bos_token", None)
-    special = as_processor and not (isinstance(bos, str) and text.startswith(bos))
-    tokens = tokenizer.encode(text, add_special_tokens=special)
+    # The template already wrote any BOS it wants; a processor may add one.
+    tokens = tokenizer.encode(text, add_special_tokens=as_processor and processor_adds_special_tokens(tokenizer, text))
     if think_markers is not None:
         # An answer sent back as "thought</think>answer" (its start was in the earlier
         # generation prompt) would leave an end marker the model never saw opened.

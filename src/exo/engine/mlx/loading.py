@@ -14,9 +14,8 @@ from mlx_lm.utils import load_model, load_tokenizer
 import exo.engine.mlx.models  # noqa: F401  (registers exo's own model modules, DeepSeek V4, with mlx-lm)
 from exo.engine.base import LayerProgress
 from exo.engine.mlx.parallel import shard_model
-from exo.engine.mlx.vision import processor_chat_template
 from exo.shared.models.families import family_facts
-from exo.shared.models.vision import vision_runs
+from exo.shared.models.vision import processor_chat_template, vision_runs
 from exo.shared.models.weight_files import INDEX_FILE, files_for_layers
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
 

@@ -497,24 +497,6 @@ def attach_prompt_images(cache: list[Any], prompt: VisionPrompt | None) -> None:
     attach_image_spans(cache, prompt.spans if prompt is not None and prompt.whole_runs else None)
 
 
-def processor_chat_template(model_dir: Path) -> str | None:
-    """The chat template of the model dir's processor where it has one of its own, as
-    transformers' ProcessorMixin reads it: processor_config.json's, else the legacy
-    chat_template.json's. (chat_template.jinja is the tokenizer's as well.) A VLM's
-    prompts are the processor's: a checkpoint whose processor template writes an image
-    otherwise than the tokenizer's (Gemma 4's newlines around it) would get another prompt."""
-    for name in ("processor_config.json", "chat_template.json"):
-        path = model_dir / name
-        if not path.exists():
-            continue
-        template = json.loads(path.read_text()).get("chat_template")
-        if isinstance(template, dict):
-            template = cast(dict[str, Any], template).get("default")
-        if isinstance(template, str):
-            return template
-    return None
-
-
 def load_vision(model_dir: Path) -> VisionEncoder | None:
     """The model's vision side, or None for a model without one (or one exo cannot run)."""
     config = json.loads((model_dir / "config.json").read_text())

@@ -1,8 +1,10 @@
 """Which models exo can show images to: the one fact cards, the catalog and the engine
 all read, so a card says `vision` only where the engine runs the model's vision side."""
 
+import json
 import math
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 # Config model_types whose vision tower, projector and processor exo wires to the
 # language model (engine/mlx/vision.py).
@@ -128,3 +130,37 @@ def _qwen_size(height: int, width: int, factor: int, low: int, high: int) -> tup
         beta = math.sqrt(low / (height * width))
         rows, columns = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return rows, columns
+
+
+def processor_chat_template(model_dir: Path) -> str | None:
+    """The chat template of the model dir's processor where it has one apart from the
+    tokenizer's, as transformers' ProcessorMixin reads it: processor_config.json's, else
+    the legacy chat_template.json's (chat_template.jinja is the tokenizer's as well). A
+    VLM's prompts are its processor's: a checkpoint whose processor template writes an
+    image otherwise than the tokenizer's would get another prompt."""
+    for name in ("processor_config.json", "chat_template.json"):
+        path = model_dir / name
+        if not path.exists():
+            continue
+        template = json.loads(path.read_text()).get("chat_template")
+        if isinstance(template, dict):
+            template = cast(dict[str, Any], template).get("default")
+        if isinstance(template, str):
+            return template
+    return None
+
+
+def image_processor_fields(model_dir: Path) -> dict[str, Any] | None:
+    """The image processor's config as transformers' processor reads it: nested in
+    processor_config.json where it is there (the hub's Gemma 4 checkpoints ship no
+    preprocessor_config.json), else preprocessor_config.json; None without either."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        try:
+            fields = json.loads((model_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if name == "processor_config.json":
+            fields = fields.get("image_processor")
+        if isinstance(fields, dict):
+            return cast(dict[str, Any], fields)
+    return None
