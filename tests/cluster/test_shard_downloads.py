@@ -5,7 +5,7 @@ fetches only the files its layers need and the instance serves."""
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -20,12 +20,34 @@ from tests.support.fake_hub import fake_hub as fake_hub  # noqa: F401  (a fixtur
 
 MODEL_ID = "acme/layered"
 N_LAYERS = 6
+MB = 1 << 20
 
 
-def make_layered_model(path: Path, num_key_value_heads: int = 3) -> dict[str, str]:
-    """The tiny Llama re-saved as one safetensors file per layer plus one for the tensors
-    of no layer (embeddings, norm, head), with an index; returns its weight map. Wide MLPs,
-    so the layers, not the embeddings, hold most of the bytes, as in a real model."""
+def _layer_file(name: str) -> str:
+    """One file per layer plus one for the tensors of no layer."""
+    layer = name.split(".")[2] if name.startswith("model.layers.") else None
+    return f"model-{0 if layer is None else int(layer) + 1:05d}-of-{N_LAYERS + 1:05d}.safetensors"
+
+
+def hub_file(name: str) -> str:
+    """The usual hub layout of three files: the embeddings with the first layers, the
+    middle layers, the last layers with the final norm and the head (as save_pretrained
+    shards a checkpoint, tensors in module order)."""
+    layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+    if layer is None:
+        part = 1 if name.startswith("model.embed_tokens.") else 3
+    else:
+        part = 1 + layer * 3 // N_LAYERS
+    return f"model-{part:05d}-of-00003.safetensors"
+
+
+def make_layered_model(
+    path: Path, num_key_value_heads: int = 3, file_of: Callable[[str], str] = _layer_file
+) -> dict[str, str]:
+    """The tiny Llama re-saved as several safetensors files with an index (by default one
+    per layer plus one for the tensors of no layer: embeddings, norm, head; `file_of`
+    names each tensor's file); returns its weight map. Wide MLPs, so the layers, not the
+    embeddings, hold most of the bytes, as in a real model."""
     make_tiny_llama(
         path,
         hidden_size=96,
@@ -37,11 +59,8 @@ def make_layered_model(path: Path, num_key_value_heads: int = 3) -> dict[str, st
     weights = mx.load(str(path / "model.safetensors"))
     (path / "model.safetensors").unlink()
     groups: dict[str, dict[str, mx.array]] = {}
-    count = N_LAYERS + 1
     for name, array in weights.items():
-        layer = name.split(".")[2] if name.startswith("model.layers.") else None
-        file = f"model-{0 if layer is None else int(layer) + 1:05d}-of-{count:05d}.safetensors"
-        groups.setdefault(file, {})[name] = array
+        groups.setdefault(file_of(name), {})[name] = array
     weight_map = {}
     for file, tensors in groups.items():
         mx.save_safetensors(str(path / file), tensors, metadata={"format": "mlx"})
@@ -132,6 +151,37 @@ def test_a_three_way_pipeline_downloads_each_node_only_its_layers(fake_hub: Fake
         ratio = fake_hub.body_bytes_sent / model_bytes
         print(f"3-way pipeline, per-shard downloads: hub bytes / model size = {ratio:.3f}")
         assert ratio < 1.3, ratio
+
+
+def test_three_fresh_nodes_take_a_three_file_checkpoint_from_the_hub_once(fake_hub: FakeHub, tmp_path: Path) -> None:
+    """The usual hub layout (embeddings with the first layers, final norm and head with the
+    last) placed as a 3-way pipeline on 3 nodes holding nothing, all fetching at once: the
+    hub sends each file once. The middle file comes slowly, so the node needing it reaches
+    the last file after the others hold it (they finished during its download): it takes
+    that file from them, not from the hub again."""
+    endpoint, root = fake_hub
+    weight_map = make_layered_model(root / "acme--layered", file_of=hub_file)
+    files = sorted(set(weight_map.values()))
+    assert len(files) == 3
+    model_bytes = sum(f.stat().st_size for f in (root / "acme--layered").iterdir())
+    with cluster_with_the_model(3, endpoint, tmp_path) as nodes:
+        fake_hub.throttle_files = {f"{files[1]}": 1.5 * MB}
+        instance_id = place_ready(nodes, min_nodes=3)
+        fake_hub.throttle_files = {}
+        ratio = fake_hub.body_bytes_sent / model_bytes
+        state = nodes[0].state()
+        assignments = state["instances"][instance_id]["shardAssignments"]
+        held = {}
+        for node in nodes:
+            node_id = node.node_id()
+            shard = assignments["runnerToShard"][assignments["nodeToRunner"][node_id]]
+            layers = (shard["startLayer"], shard["endLayer"])
+            on_disk = {f.name for f in (node.home / "models").rglob("*.safetensors")}
+            assert on_disk == files_for_layers(weight_map, layers), (layers, on_disk)
+            held[shard["deviceRank"]] = sorted(on_disk)
+        print(f"3-file hub layout, 3-way pipeline on fresh nodes: hub bytes / model size = {ratio:.3f}; files {held}")
+        assert answers(nodes[0])
+        assert ratio <= 1.1, ratio
 
 
 def test_a_llamacpp_split_fetches_every_weight_to_rank_0_and_none_to_its_follower(

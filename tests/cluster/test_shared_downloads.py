@@ -3,8 +3,9 @@
 each file from the fake hub (tests/support/fake_hub.py, throttled so the downloads
 overlap), and the other streams it from that node's /peer-hub while it arrives. Both
 copies are checked against the hub's sha256. A kill -9 of the fetching node mid-file
-loses nothing: the other resumes the file from the hub with Range. With a cluster
-secret, /peer-hub wants the token derived from it."""
+loses nothing: the other resumes the file from the hub with Range. A node waits for the
+fetching node to begin its file however long that takes. With a cluster secret,
+/peer-hub wants the token derived from it."""
 
 import hashlib
 import signal
@@ -15,10 +16,13 @@ from pathlib import Path
 import httpx
 
 from exo.routing.seal import peer_token
+from exo.shared.models.weight_files import files_for_layers
 from tests.cluster.test_shard_downloads import (
     MODEL_ID,
+    N_LAYERS,
     answers,
     cluster_with_the_model,
+    hub_file,
     make_layered_model,
     peer_speed,
     place_ready,
@@ -135,3 +139,36 @@ def test_with_a_cluster_secret_the_peer_hub_wants_its_token(fake_hub: FakeHub, t
         with_token = httpx.get(listing, headers={"Authorization": f"Bearer {peer_token(secret)}"})
         assert with_token.status_code == 200 and with_token.json()["siblings"], with_token.text
         assert httpx.get(f"{fetcher.url}/v1/models").status_code == 200  # no --api-key: the rest stays open
+
+
+def test_nodes_wait_for_the_fetching_node_to_begin_their_file_however_long_it_takes(
+    fake_hub: FakeHub, tmp_path: Path
+) -> None:
+    """The usual 3-file hub layout; the lowest node downloads the whole model, the other two
+    the first and the last layers' files (ranks 0 and 2 of a pipeline), all at once. The
+    lowest takes every file from the hub for all, the middle one first, and that one comes
+    slowly: longer than a peer hub waits for a file to begin arriving (20 s). The others
+    ask again until their files arrive there, rather than take them from the hub too."""
+    endpoint, root = fake_hub
+    weight_map = make_layered_model(root / "acme--layered", file_of=hub_file)
+    middle = sorted(set(weight_map.values()))[1]
+    model_bytes = sum(f.stat().st_size for f in (root / "acme--layered").iterdir())
+    with cluster_with_the_model(3, endpoint, tmp_path) as nodes:
+        fetcher, *others = sorted(nodes, key=lambda node: node.node_id())
+        fake_hub.throttle_files = {middle: (root / "acme--layered" / middle).stat().st_size / 24}
+        ranges = [(fetcher, None), (others[0], [0, 2]), (others[1], [N_LAYERS - 2, N_LAYERS])]
+        for node, layers in ranges:
+            body = {"model_id": MODEL_ID, "node_id": node.node_id(), "layers": layers}
+            assert nodes[0].post("/download/start", json=body).status_code == 200
+        for node in nodes:
+            node.wait_for_state(completed(node.node_id()), timeout=120, what="downloads")
+        fake_hub.throttle_files = {}
+        ratio = fake_hub.body_bytes_sent / model_bytes
+        print(f"3-file layout, the middle file slow at the fetching node: hub bytes / model = {ratio:.3f}")
+        for node, layers in ranges:
+            held = {f.name for f in (node.home / "models").rglob("*.safetensors")}
+            assert held == files_for_layers(weight_map, None if layers is None else tuple(layers)), held
+        assert ratio <= 1.1, ratio
+        for node in others:
+            assert "has not begun arriving at peer" in node.logs()
+            assert f"of {MODEL_ID} from peer http://127.0.0.1:{fetcher.api_port}" in node.logs()

@@ -28,13 +28,14 @@ from exo.api.port import ClusterDep, ClusterPort
 from exo.shared.queries import download_running, nodes_fetching
 from exo.shared.types.common import ModelId
 from exo.shared.types.downloads import DownloadCompleted, DownloadOngoing
-from exo.worker.download.hub import PEER_HUB_PREFIX
+from exo.worker.download.hub import NOT_ARRIVED_YET, PEER_HUB_PREFIX
 from exo.worker.download.verify import PARTIAL_SUFFIX, file_hashes
 
 router = APIRouter(prefix=PEER_HUB_PREFIX)
 
 # How long a request for a file this node is about to fetch waits for it to start
-# arriving (under the reader's 30 s read timeout); then 404 and the reader asks the hub.
+# arriving (under the reader's 30 s read timeout); then 404 NotArrivedYet and the reader
+# asks again, or the hub if this node has stopped fetching.
 ARRIVAL_WAIT_SECONDS = 20.0
 # A file that stops growing this long while its download still runs: the answer breaks off.
 STALL_SECONDS = 25.0
@@ -169,7 +170,8 @@ async def _serve_arriving(cluster: ClusterPort, model_id: str, name: str, reques
         held = _held(cluster, model_id)  # it may have finished meanwhile
         if held is not None and name in held[1]:
             return FileResponse(held[0] / name, media_type="application/octet-stream")
-        return _not_found("EntryNotFound")
+        # Still fetching, so it will come: the reader asks again rather than the hub.
+        return _not_found(NOT_ARRIVED_YET if _fetching(cluster, model_id) else "EntryNotFound")
     start = _range_start(request)
     return StreamingResponse(
         _follow(cluster, model_id, name, *opened, start),

@@ -16,6 +16,8 @@ file names, sizes and mtimes; a file's ETag is the sha256 of its content.
 
 Knobs a test can turn while the hub runs (attributes of `FakeHub`):
 - `throttle_bytes_per_second`: slows file bodies down, so progress can be watched.
+- `throttle_files`: repo-relative path -> bytes per second for that file alone (over the
+  one above), so one file arrives after others that began later.
 - `missing_files`: repo-relative paths that stay listed but 404 on download.
 - `die_after_bytes`: after sending this many bytes of one file body, the hub drops the
   connection and shuts down for good (a hub dying mid-file).
@@ -58,6 +60,7 @@ class FakeHub:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.throttle_bytes_per_second = throttle_bytes_per_second
+        self.throttle_files: dict[str, float] = {}
         self.missing_files: set[str] = set()
         self.die_after_bytes: int | None = None
         self.corrupt_files: set[str] = set()
@@ -293,11 +296,15 @@ class FakeHub:
             if request.method == "HEAD":
                 return Response(status_code=status, headers=headers)
             corrupt = path in hub.corrupt_files
-            return StreamingResponse(hub._body(file, start, end, corrupt), status_code=status, headers=headers)
+            throttle = hub.throttle_files.get(path)
+            body = hub._body(file, start, end, corrupt, throttle)
+            return StreamingResponse(body, status_code=status, headers=headers)
 
         return app
 
-    async def _body(self, path: Path, start: int, end: int, corrupt: bool = False) -> AsyncIterator[bytes]:
+    async def _body(
+        self, path: Path, start: int, end: int, corrupt: bool = False, throttle: float | None = None
+    ) -> AsyncIterator[bytes]:
         sent = 0
         with path.open("rb") as file:
             file.seek(start)
@@ -317,8 +324,8 @@ class FakeHub:
                 sent += len(chunk)
                 self.body_bytes_sent += len(chunk)
                 yield chunk
-                if self.throttle_bytes_per_second:
-                    await asyncio.sleep(len(chunk) / self.throttle_bytes_per_second)
+                if rate := throttle or self.throttle_bytes_per_second:
+                    await asyncio.sleep(len(chunk) / rate)
 
     # -- running ---------------------------------------------------------------------
 

@@ -355,7 +355,7 @@ class Worker:
                 layers=layers,
                 peers=self._peers_holding(model_id),
                 peer_token=self.peer_token,
-                feeder=lambda file, weight_map: self._feeder(model_id, file, weight_map),
+                peer_sources=lambda file, weight_map: self._peer_sources(model_id, file, weight_map),
             )
             outcome: DownloadProgress = _completed(path, None if is_complete_model_dir(path) else layers)
         except DownloadError as error:
@@ -424,13 +424,21 @@ class Worker:
                 peers[endpoint] = frozenset(record.files)
         return peers
 
-    def _feeder(self, model_id: ModelId, file: str, weight_map: dict[str, str] | None) -> str | None:
-        """The peer hub to stream `file` from while it arrives there: that of the node
-        State says takes it from the hub (shared/queries.py's hub_fetcher), unless that is
-        this node. Called from the download's thread; State is replaced, never mutated."""
+    def _peer_sources(self, model_id: ModelId, file: str, weight_map: dict[str, str] | None) -> list[str]:
+        """The peer hubs to take `file` from, as State says now: those of the nodes whose
+        record lists it (some finished it after this download began), then that of the
+        node taking it from the hub (shared/queries.py's hub_fetcher), to stream it as it
+        arrives there, unless that is this node. Called from the download's thread; State
+        is replaced, never mutated."""
         state = self.replica.state
+        holders = [
+            node_id
+            for node_id, records in state.downloads.items()
+            if isinstance(record := records.get(model_id), DownloadCompleted) and file in record.files
+        ]
         fetcher = hub_fetcher(state, model_id, file, weight_map)
-        return None if fetcher is None else self._peer_hub(state, fetcher)
+        hubs = [self._peer_hub(state, node_id) for node_id in [*holders, *([fetcher] if fetcher else [])]]
+        return [hub for hub in dict.fromkeys(hubs) if hub is not None]
 
     def _peer_hub(self, state: State, node_id: NodeId) -> str | None:
         """Another node's peer hub endpoint, if this node has a link to it."""

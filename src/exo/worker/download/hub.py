@@ -54,6 +54,14 @@ class HubBusy(DownloadError):
     """The hub kept answering 429 or 5xx after every retry."""
 
 
+class NotArrivedYet(DownloadError):
+    """A peer that will take the file from the hub has not begun it yet (api/peer_files.py)."""
+
+
+# The peer hub's X-Error-Code for that.
+NOT_ARRIVED_YET = "NotArrivedYet"
+
+
 class _Cancelled(Exception):
     """The download was cancelled while a file streamed."""
 
@@ -138,6 +146,8 @@ def status_error(response: httpx.Response, call: Call) -> DownloadError:
         )
     if status == 404 and (code == "RepoNotFound" or call.filename is None):
         return ModelNotOnHub(f"model {call.model_id} was not found on {call.endpoint}")
+    if status == 404 and code == NOT_ARRIVED_YET:
+        return NotArrivedYet(f"file {call.filename} of model {call.model_id} has not begun arriving at {call.endpoint}")
     if status == 404:
         return DownloadError(f"file {call.filename} of model {call.model_id} was not found on {call.endpoint}")
     if status in RETRIED_STATUSES:

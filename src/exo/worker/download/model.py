@@ -43,6 +43,7 @@ from exo.worker.download.hub import (
     HubBusy,
     HubUnreachable,
     InvalidModelId,
+    NotArrivedYet,
     RepoFile,
     client,
     get_file_bytes,
@@ -69,8 +70,9 @@ WANTED_FILE_PATTERNS = (
 )
 
 ProgressCallback = Callable[[int, int, float], None]
-# (file name, the model's weight map if known) -> a peer hub to stream the file from, or None.
-Feeder = Callable[[str, dict[str, str] | None], str | None]
+# (file name, the model's weight map if known) -> the peer hubs to take the file from, as
+# State says when its turn comes: nodes holding it, then the one taking it from the hub.
+PeerSources = Callable[[str, dict[str, str] | None], list[str]]
 T = TypeVar("T")
 
 
@@ -274,7 +276,7 @@ async def download_model(
     layers: tuple[int, int] | None = None,
     peers: Mapping[str, frozenset[str]] | None = None,
     peer_token: str | None = None,
-    feeder: Feeder | None = None,
+    peer_sources: PeerSources | None = None,
 ) -> Path:
     """Downloads `model_id` ("org/name") into `target_dir/org--name` and returns that dir;
     with `layers` [start, end), only the weight files those layers need, and returns the
@@ -282,9 +284,11 @@ async def download_model(
     other nodes' peer hubs (api/peer_files.py), each with the files it holds; a file is
     taken from a peer holding it before the hub, and checked against the hub's hashes
     (the peers' own listing when the hub does not answer); `peer_token` is what the
-    peers' APIs want when they need a key. `feeder(file, weight_map)`: the peer hub of
-    the node that takes a file from the hub for every node needing it, if that is not
-    this one; the file is streamed from it as it arrives there, then from the hub.
+    peers' APIs want when they need a key. `peer_sources(file, weight_map)`: asked when a
+    file's turn comes, the peer hubs of the nodes holding it now, then that of the node
+    taking it from the hub for every node needing it, if that is not this one; the file
+    is streamed from that node as it arrives there, and this node waits for it to start
+    arriving as long as State names that node. Files no peer will give come first.
 
     Calls on_progress(downloaded_bytes, total_bytes, bytes_per_second) at the start, every
     POLL_SECONDS while a file downloads, after each file and at the end (downloaded ==
@@ -311,7 +315,7 @@ async def download_model(
                 )
             _check_online(model_id)
             with client(peer_token) as http:
-                sources = _Sources(http, model_id, endpoint, dict(peers or {}), feeder)
+                sources = _Sources(http, model_id, endpoint, dict(peers or {}), peer_sources)
                 return await _download(sources, partial_dir, final_dir, on_progress, layers, cancel)
         except OSError as error:
             raise _os_error(error, model_id, target_dir, None) from error
@@ -329,10 +333,10 @@ class _Sources:
         model_id: str,
         endpoint: str,
         peers: dict[str, frozenset[str]],
-        feeder: Feeder | None = None,
+        peer_sources: PeerSources | None = None,
     ) -> None:
         self.http, self.model_id, self.endpoint, self.peers = http, model_id, endpoint, peers
-        self.feeder = feeder
+        self.peer_sources = peer_sources
         # The model's safetensors index once read: which node needs which weight file.
         self.weight_map: dict[str, str] | None = None
 
@@ -357,26 +361,37 @@ class _Sources:
             logger.warning(f"{error}; listing {self.model_id} from {answered} peers instead")
             return "main", list(merged.values())
 
+    def peers_for(self, name: str) -> list[str]:
+        """Peers to take the file from: those that held it when the download started (the
+        only ones listed if State cannot be asked), then whom State names now."""
+        holders = [peer for peer, files in self.peers.items() if name in files]
+        named = self.peer_sources(name, self.weight_map) if self.peer_sources is not None else []
+        return list(dict.fromkeys([*holders, *named]))
+
     def fetch(
         self, revision: str, file: RepoFile, directory: Path, cancel: threading.Event, on_bytes: Callable[[int], None]
     ) -> Path:
-        holders = [peer for peer, files in self.peers.items() if file.name in files]
-        # Asked when the file's turn comes, from State as it is then.
-        fed_by = self.feeder(file.name, self.weight_map) if self.feeder is not None and not holders else None
-        for source in [*holders, *([fed_by] if fed_by else []), self.endpoint]:
-            try:
-                path = fetch_verified(
-                    self.http, Call(source, self.model_id, file.name), revision, file, directory, cancel, on_bytes
-                )
-            except DownloadError as error:
-                if source == self.endpoint:
-                    raise
-                logger.warning(f"peer {source} could not give {file.name}: {error}; trying the next source")
-                continue
-            if source != self.endpoint:
-                logger.info(f"took {file.name} of {self.model_id} from peer {source}")
-            return path
-        raise AssertionError("unreachable")
+        # Asked again whenever the node taking the file from the hub has not begun it: it
+        # will (it fetches the files it takes for others before any it follows), unless
+        # State stops naming it (it failed, left, or another node holds the file now).
+        while not cancel.is_set():
+            for source in [*self.peers_for(file.name), self.endpoint]:
+                try:
+                    path = fetch_verified(
+                        self.http, Call(source, self.model_id, file.name), revision, file, directory, cancel, on_bytes
+                    )
+                except NotArrivedYet:
+                    logger.info(f"{file.name} of {self.model_id} has not begun arriving at peer {source}; waiting")
+                    break
+                except DownloadError as error:
+                    if source == self.endpoint:
+                        raise
+                    logger.warning(f"peer {source} could not give {file.name}: {error}; trying the next source")
+                    continue
+                if source != self.endpoint:
+                    logger.info(f"took {file.name} of {self.model_id} from peer {source}")
+                return path
+        raise DownloadError(f"the download of {file.name} of {self.model_id} was cancelled")
 
 
 async def _download(
@@ -406,8 +421,11 @@ async def _download(
         weight_map = _weight_map((partial_dir / INDEX_FILE).read_bytes(), model_id)
         sources.weight_map = weight_map
     files = _select_weights(listed, weight_map, layers, model_id)
-    # Small files first, so a missing tokenizer or config fails before the weights.
-    files.sort(key=lambda file: (file.name.endswith(".safetensors"), file.size or 0, file.name))
+    # Small files first, so a missing tokenizer or config fails before the weights; and the
+    # files this node takes from the hub before those it follows another node for, so no
+    # node waits for one that is itself waiting.
+    follows = {file.name for file in files if sources.peers_for(file.name)}
+    files.sort(key=lambda file: (file.name.endswith(".safetensors"), file.name in follows, file.size or 0, file.name))
 
     total = sum(file.size or 0 for file in files)
     held = _held(files, partial_dir)
