@@ -189,3 +189,42 @@ def test_files_come_from_a_peer_that_holds_them_checked_like_the_hubs(fake_hub: 
         path = run(download_model("acme/sharded", tmp_path / "b", Recorder(), endpoint=endpoint, peers=peers))
         assert (path / BIG_SHARD).read_bytes() == (root / "acme--sharded" / BIG_SHARD).read_bytes()
         assert resolved(peer, BIG_SHARD) == 3 and resolved(fake_hub, BIG_SHARD) == 1
+
+
+def test_a_source_that_fails_takes_back_the_bytes_it_counted(fake_hub: FakeHub, tmp_path: Path) -> None:
+    """A file resumed from its partial counts the partial's bytes; a source that then
+    fails (a peer that does not have the file, or has not begun it) takes them back, so
+    asking the next source, or the same peer again, does not count them twice."""
+    import threading
+
+    from exo.worker.download.hub import Call, DownloadError, client, list_repo
+    from exo.worker.download.verify import fetch_verified, partial_path
+    from tests.support.fake_hub import running_fake_hub
+
+    endpoint, root = fake_hub
+    make_sharded_model(root / "acme--sharded", big_shard_bytes=4 * MB)
+    source = (root / "acme--sharded" / BIG_SHARD).read_bytes()
+    target = tmp_path / "dl"
+    target.mkdir()
+    partial_path(target / BIG_SHARD).write_bytes(source[:MB])
+    counted = []
+    with running_fake_hub(root) as peer, client() as http:
+        revision, listed = list_repo(http, Call(endpoint, "acme/sharded"))
+        (file,) = [f for f in listed if f.name == BIG_SHARD]
+        peer.missing_files = {BIG_SHARD}
+        for _ in range(3):
+            with pytest.raises(DownloadError):
+                fetch_verified(
+                    http,
+                    Call(peer.endpoint, "acme/sharded", BIG_SHARD),
+                    revision,
+                    file,
+                    target,
+                    threading.Event(),
+                    counted.append,
+                )
+            assert sum(counted) == 0, counted
+        path = fetch_verified(
+            http, Call(endpoint, "acme/sharded", BIG_SHARD), revision, file, target, threading.Event(), counted.append
+        )
+    assert path.read_bytes() == source and sum(counted) == len(source)

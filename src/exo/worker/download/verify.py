@@ -96,6 +96,11 @@ def _stream_once(
 
     try:
         stream_file(http, call, revision, write, lambda: written, restart, cancel)
+    except BaseException:
+        # The next attempt (another source, or the same peer asked again) counts what
+        # the partial file holds afresh.
+        on_bytes(-written)
+        raise
     finally:
         out.close()
     return hasher
