@@ -20,9 +20,10 @@ never produces when encoding, so prompts tokenize as they would without the scri
 a token has one successor, a script must not repeat a piece; to write the same text twice,
 split it differently the second time ("<|channel|>" once whole, later "<|chan" + "nel|>").
 
-Prompts are rendered for the family's default mode (thinking on where the family has a
-switch); a mode whose generation prompt ends in another token (GLM's or DeepSeek's chat
-mode, which end in "</think>") does not start the script.
+Prompts are rendered as the engine renders a request that does not say whether to think:
+in the template's own default mode (thinking on for Qwen3 and GLM, off for Gemma 4); a
+mode whose generation prompt ends in another token (GLM's or DeepSeek's chat mode, which
+end in "</think>") does not start the script.
 
 A second script, for tool round trips: since the last prompt token picks the script, a
 model can hold two scripts that start from two different tokens. A family with a
@@ -40,6 +41,7 @@ call for Paris, then, given the tool's result, thinking and the final answer."""
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,7 @@ from exo.devtools.scripted_families import (
     Family,
 )
 from exo.devtools.tiny_models import _random_weights, _set_vocab_size, _training_sentences
+from exo.engine.mlx.chat_template import template_renderer
 
 # Parameters that write a block's result into the residual stream, by their module name
 # in mlx-lm's model classes (and ours for DeepSeek V4). Zeroed, they make the block the
@@ -86,7 +89,8 @@ def render_prompt(
         chat = [ChatMessage(**message) for message in messages]
         return encoder.encode_messages(chat, tools, thinking=enable_thinking is not False)
     extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **extra)
+    renderer = template_renderer(tokenizer, enable_thinking)
+    return renderer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **extra)
 
 
 def make_scripted_model(
@@ -96,6 +100,7 @@ def make_scripted_model(
     seed: int = 0,
     dtype: mx.Dtype = mx.float32,
     after_tool_result: list[str] | tuple[str, ...] | None = None,
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Writes at `path` a model of `family` (a FAMILIES key) that, given any prompt the
     family's template renders with its generation prompt, writes the pieces of `script`
@@ -103,9 +108,13 @@ def make_scripted_model(
     (families with a tool_result_prompt_end only), a prompt whose last message is a tool
     result gets that script instead. Returns `path`.
 
-    float32 by default: MLX on CPU runs the MoE families' expert matmuls in float32 only."""
+    float32 by default: MLX on CPU runs the MoE families' expert matmuls in float32 only.
+    `config_overrides` change the family's tiny config (a wider model for a long script,
+    or one sized for a benchmark)."""
     path = Path(path)
     spec = FAMILIES[family]
+    if config_overrides:
+        spec = replace(spec, config={**spec.config, **config_overrides})
     scripts = [list(script), *([list(after_tool_result)] if after_tool_result is not None else [])]
     if after_tool_result is not None and spec.tool_result_prompt_end is None:
         raise ValueError(f"{family}'s template has no prompt end of its own after a tool result")
@@ -297,3 +306,23 @@ def _check_successors(model, chain: list[int]) -> None:
     leak = mx.max(mx.abs(mx.where(successors, 0.0, logits))).item()
     if leak != 0.0:
         raise AssertionError(f"the blocks are not the identity: other tokens get logits up to {leak}")
+
+
+def make_copy_model(
+    path: Path, length: int, family: str = "qwen3", config_overrides: dict[str, Any] | None = None
+) -> list[int]:
+    """A scripted model whose answer is a `length`-token text that its prompt holds: the
+    best case of speculation by prompt lookup (an edited file written back), with every
+    proposal right. Writes the model at `path`, at least `length` + 1 wide (a script
+    token's embedding is one-hot); returns the prompt's token ids (the text, then the
+    token the family's generation prompt ends with, which starts the script)."""
+    pieces = [f" w{i}" for i in range(length)]
+    overrides = dict(config_overrides or {})
+    overrides.setdefault(
+        "hidden_size", max(_text_config(FAMILIES[family].config)["hidden_size"], -(-(length + 1) // 64) * 64)
+    )
+    make_scripted_model(path, family, pieces, config_overrides=overrides)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    to_unicode = _bytes_to_unicode()
+    ids = [tokenizer.token_to_id("".join(to_unicode[byte] for byte in piece.encode())) for piece in pieces]
+    return [*ids, _prompt_end_token(load_tokenizer(path), family)]

@@ -9,7 +9,9 @@ usage and stats. A step is one plan: the last token of every decoding request, t
 prompt chunks of the prefilling ones, oldest first, while the step's tokens last. The
 backend runs the plan as one batch and returns the tokens it sampled, so prompts that
 arrive together prefill together and a long prompt holds running streams up by one
-step's budget at most.
+step's budget at most. A request decoding speculatively (engine/speculative.py) feeds its
+last token and the tokens proposed after it in its row, within the same budget, and
+keeps those its sampler draws.
 
 Admission reserves a request's prompt and its whole answer (max_tokens, capped to what
 fits at all): a request whose KV would not fit beside the running ones waits in the
@@ -21,6 +23,7 @@ decision here depends on token counts alone (never on time or on one rank's byte
 every rank plans the same batch and the collectives agree."""
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -28,6 +31,7 @@ from typing import Any, Protocol
 from exo.engine import limits
 from exo.engine.answer import AnswerStream
 from exo.engine.prefix_cache import PrefixCache, SavedKV
+from exo.engine.speculative import PromptLookup
 from exo.shared.types.common import CommandId
 from exo.shared.types.runners import RunnerMemory
 from exo.shared.types.text_generation import ChunkGenerated, GenerationStats, PrefillProgress, TokenLogprob, Usage
@@ -50,10 +54,14 @@ class Request:
     reserved: int = 0  # KV tokens held for it while it runs
     output: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+    # Proposals for speculative decoding; None: plain decoding.
+    lookup: PromptLookup | None = None
 
     def __post_init__(self) -> None:
         if not self.key:
             self.key = self.prompt
+        if self.lookup is not None:
+            self.lookup.extend(self.prompt)
 
     @property
     def prefilling(self) -> bool:
@@ -63,13 +71,15 @@ class Request:
 @dataclass(frozen=True)
 class Row:
     """One request's part of a step: `tokens` go into its KV from position `start` (a
-    prompt chunk, or the token it sampled last); if `sample`, the next token is drawn
-    from the last position's logits."""
+    prompt chunk, or the token it sampled last and `drafts` proposed tokens after it);
+    if `sample`, the next token is drawn from the last position's logits, or with
+    drafts, from each position's in turn while the draws equal the proposals."""
 
     request: Request
     tokens: list[int]
     start: int
     sample: bool
+    drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,7 +108,14 @@ class Backend(Protocol):
         ...
 
     def run(self, rows: list[Row]) -> list[Sampled]:
-        """One forward over every row; the tokens of the rows that sample."""
+        """One forward over every row; the tokens of the rows that sample, in order (a
+        row with drafts: the drafts drawn, then the first draw that differs or follows
+        them; its KV cut back to the row's last token and the drafts drawn)."""
+        ...
+
+    def can_speculate(self, request: Request) -> bool:
+        """Whether the request's KV can be cut back after a verify (a sliding window
+        that wrapped, an SSM state cannot)."""
         ...
 
     def snapshot(self, request: Request) -> SavedKV | None:
@@ -210,13 +227,17 @@ class Scheduler:
         if not rows:
             return []
         sampled = self.backend.run(rows)
+        drawn = Counter(result.request.request_id for result in sampled)
         chunks: list[ChunkGenerated] = []
         for row in rows:
             request = row.request
-            was_prefilling = request.prefilling
-            request.fed = row.start + len(row.tokens)
-            if not was_prefilling:
+            if not request.prefilling:
+                # The row's last token and the drafts drawn are in its KV now.
+                request.fed = row.start + drawn[request.request_id]
+                if request.lookup is not None:
+                    request.lookup.record(row.drafts, drawn[request.request_id] - 1)
                 continue
+            request.fed = row.start + len(row.tokens)
             chunks.append(
                 ChunkGenerated(
                     command_id=request.request_id,
@@ -229,7 +250,8 @@ class Scheduler:
                     self.prefix_cache.remember_boundary(request.key[: saved.length], saved)
                     self._fit_prefix_cache()
         for result in sampled:
-            chunks.append(self._token_chunk(result))
+            if result.request.request_id in self._running:  # not finished by an earlier draft
+                chunks.append(self._token_chunk(result))
         return chunks
 
     def _admit(self) -> None:
@@ -272,10 +294,13 @@ class Scheduler:
         """Every decoding request's last token, then prompt chunks oldest first, within
         the step's tokens and attention area (the first chunk takes a token at least)."""
         budget = self.budget.step_tokens
-        for request in self._running.values():
-            if not request.prefilling:
-                budget -= 1
-                yield Row(request, request.output[-1:], request.fed, True)
+        decoding = [request for request in self._running.values() if not request.prefilling]
+        spare = budget - len(decoding)  # what drafts may take
+        for request in decoding:
+            drafts = self._drafts(request, spare)
+            spare -= len(drafts)
+            budget -= 1 + len(drafts)
+            yield Row(request, request.output[-1:] + drafts, request.fed, True, len(drafts))
         chunks: list[tuple[int, int]] = []  # (length, end) of the chunks planned
         for request in self._running.values():
             if budget <= 0:
@@ -290,6 +315,14 @@ class Scheduler:
             budget -= end - start
             chunks.append((end - start, end))
             yield Row(request, request.prompt[start:end], start, end == len(request.prompt))
+
+    def _drafts(self, request: Request, spare: int) -> list[int]:
+        """Proposals for a speculative request: within the step's spare tokens and its
+        answer's room (the KV it reserved), none where its KV cannot be cut back."""
+        if request.lookup is None or not self.backend.can_speculate(request):
+            return []
+        room = request.answer.max_tokens - request.answer.generated - 1
+        return request.lookup.propose(min(spare, room))
 
     def _chunk_length(self, chunks: list[tuple[int, int]], start: int, longest: int) -> int:
         """The longest chunk from `start`, at most `longest`, that keeps the step's chunks
@@ -319,6 +352,8 @@ class Scheduler:
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         request.output.append(result.token)
+        if request.lookup is not None:
+            request.lookup.extend([result.token])
         chunk = request.answer.feed(result.token, result.logprob)
         if chunk.finish_reason is None:
             return chunk
@@ -327,6 +362,9 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         del self._running[request.request_id]
+        if request.output:
+            # An answer that ended on a draft leaves the drafts after it in the KV.
+            request.fed = min(request.fed, len(request.prompt) + len(request.output) - 1)
         self._reserved -= request.reserved
         saved = self.backend.release(request)
         if saved is not None and saved.length > 0:
@@ -352,4 +390,6 @@ def _usage(request: Request) -> Usage:
         completion_tokens=request.answer.generated,
         reasoning_tokens=request.answer.reasoning_tokens,
         cached_tokens=request.cached_tokens,
+        proposed_tokens=request.lookup.proposed if request.lookup else 0,
+        accepted_tokens=request.lookup.accepted if request.lookup else 0,
     )

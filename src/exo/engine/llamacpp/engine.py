@@ -48,6 +48,7 @@ from exo.engine.parsing.output import think_markers_for, tool_format_for, vocabu
 from exo.engine.prefix_cache import SavedKV
 from exo.engine.request_settings import logprobs_wanted, max_tokens_of, sampling_settings
 from exo.engine.scheduler import Budget, Request, Row, Sampled, Scheduler
+from exo.engine.speculative import PromptLookup
 from exo.shared.models.families import family_facts
 from exo.shared.types.common import CommandId
 from exo.shared.types.instances import Instance
@@ -221,7 +222,8 @@ class LlamaCppEngine:
             max_tokens_of(params),
         )
         work = _Work(self._sampler(params, grammar))
-        self.scheduler.add(Request(request_id, prompt, answer, logprobs_wanted(params), work))
+        lookup = PromptLookup(params.speculative) if params.speculative is not None else None
+        self.scheduler.add(Request(request_id, prompt, answer, logprobs_wanted(params), work, lookup=lookup))
 
     def _sampler(self, params: TextGenerationTaskParams, grammar: str | None) -> Sampler:
         assert self.tokenizer is not None and self.model is not None
@@ -280,7 +282,10 @@ class LlamaCppEngine:
         batch = self.context.batch
         while True:
             batch.clear()
-            indices = [batch.add(row.tokens, row.start, row.request.work.sequence, row.sample) for row in rows]
+            indices = [
+                batch.add(row.tokens, row.start, row.request.work.sequence, row.drafts + 1 if row.sample else 0)
+                for row in rows
+            ]
             if self.context.decode() == 0:
                 break
             # No room in the KV (llama.cpp left it as it was): admission keeps the
@@ -293,16 +298,34 @@ class LlamaCppEngine:
         for row, index in zip(rows, indices, strict=True):
             work: _Work = row.request.work
             work.shared_steps += len(rows) > 1
-            if not row.sample:
-                continue
-            want = row.request.want_logprobs
+            if row.sample:
+                sampled += self._draw(row, index)
+        return sampled
+
+    def _draw(self, row: Row, last_index: int) -> list[Sampled]:
+        """The row's next token; with drafts, a draw at each of their positions in turn,
+        kept while it equals the next draft, and the KV cut back to the tokens kept."""
+        assert self.context is not None and self.tokenizer is not None
+        work: _Work = row.request.work
+        want = row.request.want_logprobs
+        drawn: list[Sampled] = []
+        for position in range(row.drafts + 1):
+            index = last_index - row.drafts + position
             token, logprobs = work.sampler.choose(self.context.logits(index), want is not None)
             work.sampler.accept(token)
             logprob = None
             if want is not None and logprobs is not None:
                 logprob = token_logprob(self.tokenizer.decode, token, logprobs, want)
-            sampled.append(Sampled(row.request, token, logprob))
-        return sampled
+            drawn.append(Sampled(row.request, token, logprob))
+            if position == row.drafts or token != row.tokens[len(row.tokens) - row.drafts + position]:
+                break
+        if len(drawn) <= row.drafts:
+            assert work.sequence is not None
+            self.context.remove(work.sequence, row.start + len(row.tokens) - row.drafts - 1 + len(drawn), -1)
+        return drawn
+
+    def can_speculate(self, request: Request) -> bool:
+        return self.model is not None and self.model.trimmable
 
     def snapshot(self, request: Request) -> SavedKV | None:
         return None  # a sequence's KV is cut back to any length (llama_memory_seq_rm)

@@ -115,6 +115,9 @@ class Model:
         self.vocab: Any = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_layers = llama_cpp.llama_model_n_layer(model)
+        # Whether a sequence's KV can be cut back to any position (a recurrent state
+        # cannot be rewound).
+        self.trimmable = not (llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
 
     def close(self) -> None:
         if self.ptr:
@@ -234,17 +237,18 @@ class Batch:
     def clear(self) -> None:
         self.n = 0
 
-    def add(self, tokens: list[int], start_pos: int, sequence: int, output_last: bool) -> int:
+    def add(self, tokens: list[int], start_pos: int, sequence: int, outputs: int) -> int:
         """Appends tokens of one sequence at positions start_pos..; returns the index of
-        the last one (whose logits are output when `output_last`)."""
+        the last one. The last `outputs` tokens' logits are output (a bool: the last one's
+        or none)."""
         n, k = self.n, len(tokens)
         assert n + k <= self.capacity, "batch overflow"
         self.token[n : n + k] = tokens
         self.pos[n : n + k] = np.arange(start_pos, start_pos + k, dtype=np.int32)
         self.seq[n : n + k] = sequence
         self.output[n : n + k] = 0
-        if output_last:
-            self.output[n + k - 1] = 1
+        if outputs:
+            self.output[n + k - int(outputs) : n + k] = 1
         self.n = n + k
         return n + k - 1
 

@@ -60,6 +60,7 @@ from exo.engine.parsing.output import tool_format_for
 from exo.engine.prefix_cache import SavedKV
 from exo.engine.request_settings import logprobs_wanted, max_tokens_of, sampling_settings
 from exo.engine.scheduler import Budget, Request, Row, Sampled, Scheduler
+from exo.engine.speculative import PromptLookup
 from exo.shared.types.common import CommandId, FrozenModel
 from exo.shared.types.instances import Instance
 from exo.shared.types.runners import RunnerMemory
@@ -153,10 +154,15 @@ class _Work:
     cache: list[Any] = field(default_factory=list)  # empty while in the batch
     tokens: Iterator[tuple[mx.array, mx.array]] | None = None  # decoding on its own
     in_batch: bool = False  # decoding in the engine's DecodeBatch
+    # Decoding speculatively: verified on its own, with the tokens fed since its prompt
+    # (as mlx-lm's generate_step keeps them for the logits processors).
+    speculative: bool = False
+    greedy: bool = False
+    history: list[int] = field(default_factory=list)
 
     @property
     def batchable(self) -> bool:
-        return self.vision is None and can_batch(self.cache)
+        return self.vision is None and not self.speculative and can_batch(self.cache)
 
 
 class MlxEngine:
@@ -375,9 +381,15 @@ class MlxEngine:
             self.tokenizer.eos_token_ids,
             max_tokens,
         )
-        work = _Work(self._sampler(params), self._logits_processors(params, max_tokens, op.grammar), vision)
+        processors = self._logits_processors(params, max_tokens, op.grammar)
+        greedy = sampling_settings(params, self.card_defaults, len(self.tokenizer._tokenizer)).temperature == 0
+        speculative = params.speculative is not None
+        work = _Work(self._sampler(params), processors, vision, speculative=speculative, greedy=greedy)
         key = vision.key if vision is not None else []
-        self._scheduler().add(Request(op.request_id, prompt, answer, logprobs_wanted(params), work, key))
+        lookup = PromptLookup(params.speculative) if params.speculative is not None else None
+        self._scheduler().add(
+            Request(op.request_id, prompt, answer, logprobs_wanted(params), work, key, lookup=lookup)
+        )
 
     def prompt_of(
         self, request_id: CommandId, params: TextGenerationTaskParams
@@ -492,7 +504,7 @@ class MlxEngine:
             work: _Work = row.request.work
             if row.request.fed >= len(row.request.prompt):
                 if not work.in_batch:
-                    sampled.append(self._decode_alone(row))
+                    sampled.extend(self._decode_alone(row))
                 continue
             # The prompt's last token is fed by the first decode step, which samples.
             chunk = row.tokens[:-1] if row.sample else row.tokens
@@ -502,7 +514,7 @@ class MlxEngine:
             elif chunk:
                 self._prefill_alone(row, chunk)
             if row.sample and not work.batchable:
-                sampled.append(self._decode_alone(row))
+                sampled.extend(self._decode_alone(row))
         if len(together) == 1:
             row, chunk = together[0]
             prefill_chunk(self.model, chunk, row.request.work.cache, self.pipeline_ranks)
@@ -539,9 +551,11 @@ class MlxEngine:
             self._chunk_inputs(work, row.start),
         )
 
-    def _decode_alone(self, row: Row) -> Sampled:
+    def _decode_alone(self, row: Row) -> list[Sampled]:
         assert self.model is not None
         work: _Work = row.request.work
+        if work.speculative:
+            return self._verify(row)
         if work.tokens is None:
             work.tokens = generate_step(
                 mx.array(row.tokens[-1:]),
@@ -553,7 +567,49 @@ class MlxEngine:
             )
         token_array, logprobs = next(work.tokens)
         token = cast(int, token_array.item()) if isinstance(token_array, mx.array) else int(token_array)
-        return Sampled(row.request, token, self._logprob(row.request, token, logprobs))
+        return [Sampled(row.request, token, self._logprob(row.request, token, logprobs))]
+
+    def _verify(self, row: Row) -> list[Sampled]:
+        """The row's last token and its drafts in one forward; then, position by position,
+        a draw as generate_step draws (logits processors over the tokens fed so far, the
+        sampler over log-probabilities), kept while it equals the next draft. The KV is cut
+        back to the tokens kept."""
+        assert self.model is not None
+        work: _Work = row.request.work
+        fed = row.tokens[-(row.drafts + 1) :]
+        with mx.stream(generation_stream):
+            logits = self.model(mx.array(fed)[None], cache=work.cache)[0]
+            drawn: list[Sampled] = []
+            # Greedy with nothing to process: every position's draw at once, one sync.
+            argmaxes = (
+                cast(list[int], mx.argmax(logits, axis=-1).tolist())
+                if work.greedy and not work.logits_processors and row.request.want_logprobs is None
+                else None
+            )
+            for position in range(len(fed)):
+                if argmaxes is not None:
+                    drawn.append(Sampled(row.request, argmaxes[position]))
+                    if position == row.drafts or argmaxes[position] != fed[position + 1]:
+                        break
+                    continue
+                scores = logits[position : position + 1]
+                if work.logits_processors:
+                    history = mx.array(work.history + fed[: position + 1])
+                    for processor in work.logits_processors:
+                        scores = processor(history, scores)
+                logprobs = scores - mx.logsumexp(scores, keepdims=True)
+                token = cast(int, work.sampler(logprobs).item())
+                drawn.append(Sampled(row.request, token, self._logprob(row.request, token, logprobs[0])))
+                if position == row.drafts or token != fed[position + 1]:
+                    break
+            if len(drawn) < len(fed):
+                trim_prompt_cache(work.cache, len(fed) - len(drawn))
+        work.history += fed[: len(drawn)]
+        return drawn
+
+    def can_speculate(self, request: Request) -> bool:
+        cache: list[Any] = request.work.cache
+        return bool(cache) and can_trim_prompt_cache(cache)
 
     def snapshot(self, request: Request) -> SavedKV | None:
         cache: list[Any] = request.work.cache

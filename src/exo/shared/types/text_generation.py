@@ -41,6 +41,15 @@ class ImageInput(FrozenModel):
         return base64.b64decode(self.data_base64)
 
 
+class Speculative(FrozenModel):
+    """Speculative decoding for one request: proposals verified several at a time, the
+    answer unchanged. "prompt_lookup": the tokens that followed the last few tokens'
+    earlier occurrence in the prompt or the answer."""
+
+    method: Literal["prompt_lookup"] = "prompt_lookup"
+    num_draft: int = Field(default=8, ge=1, le=32)  # tokens proposed per verify, at most
+
+
 class TextGenerationTaskParams(FrozenModel):
     model: ModelId
     messages: list[ChatMessage]
@@ -74,6 +83,8 @@ class TextGenerationTaskParams(FrozenModel):
     response_format: dict[str, Any] | None = None
     # The images the messages' image parts name, each once.
     images: list[ImageInput] = []
+    # Speculative decoding (exo's own field); None: plain decoding.
+    speculative: Speculative | None = None
 
 
 def image_hashes_in_order(params: TextGenerationTaskParams) -> list[str]:
@@ -94,6 +105,9 @@ class Usage(FrozenModel):
     reasoning_tokens: int = 0
     # Of the prompt tokens, those whose work a cached earlier prompt already did.
     cached_tokens: int = 0
+    # Speculative decoding: the tokens proposed, and of those the ones the model kept.
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -1,0 +1,56 @@
+"""Speculative decoding by prompt lookup: the tokens proposed are those that followed
+the most recent earlier occurrence of the sequence's last n tokens (longest n first), in
+the prompt and the answer so far. No second model: an answer that copies from its prompt
+(an edited file, a quoted passage) is proposed whole runs at a time.
+
+The engine verifies a proposal in one forward over the last token and the proposed ones
+and keeps the proposals up to the first that the request's own sampler does not draw:
+at each position it draws as plain decoding would (one draw per token, the same sampler,
+penalties and grammar), and a proposal is kept when it is that draw. So greedy answers are
+the plain ones, and sampled answers follow the model's distribution exactly."""
+
+from dataclasses import dataclass, field
+
+from exo.shared.types.text_generation import Speculative
+
+# n-grams matched, longest first; a single token matches too often to be worth a verify.
+MAX_NGRAM = 3
+MIN_NGRAM = 2
+
+
+@dataclass
+class PromptLookup:
+    """An index of the sequence's n-grams to where each last occurred (the position
+    after it), kept as tokens arrive."""
+
+    settings: Speculative
+    tokens: list[int] = field(default_factory=list)
+    proposed: int = 0
+    accepted: int = 0
+    _ends: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            # The n-grams ending at the current end become "earlier" once a token follows.
+            end = len(self.tokens)
+            for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+                if end >= n:
+                    self._ends[tuple(self.tokens[end - n : end])] = end
+            self.tokens.append(token)
+
+    def propose(self, most: int) -> list[int]:
+        """Up to `most` tokens that followed the longest n-gram ending the sequence."""
+        most = min(most, self.settings.num_draft)
+        if most <= 0:
+            return []
+        for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+            if len(self.tokens) < n:
+                continue
+            end = self._ends.get(tuple(self.tokens[-n:]))
+            if end is not None:
+                return self.tokens[end : end + most]
+        return []
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
