@@ -19,6 +19,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,
     ChunkGenerated,
+    Speculative,
     TextGenerationTaskParams,
     ToolCall,
     Usage,
@@ -101,6 +102,8 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = None
+    # exo's own: speculative decoding ({"method": "prompt_lookup", "num_draft": 8}).
+    speculative: Speculative | None = None
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -135,6 +138,7 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
         response_format=(
             request.response_format.model_dump(by_alias=True, exclude_none=True) if request.response_format else None
         ),
+        speculative=request.speculative,
     )
 
 
@@ -152,7 +156,12 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        # Proposals kept or not, in OpenAI's names for predicted outputs.
+        "completion_tokens_details": {
+            "reasoning_tokens": usage.reasoning_tokens,
+            "accepted_prediction_tokens": usage.accepted_tokens,
+            "rejected_prediction_tokens": usage.proposed_tokens - usage.accepted_tokens,
+        },
     }
 
 

@@ -20,6 +20,7 @@ from exo.shared.types.text_generation import (
     ChatMessage,
     ChunkGenerated,
     FinishReason,
+    Speculative,
     TextGenerationTaskParams,
     TokenLogprob,
     Usage,
@@ -51,6 +52,7 @@ class CompletionRequest(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     logit_bias: LogitBias | None = None
+    speculative: Speculative | None = None  # exo's own, as on chat completions
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -99,6 +101,7 @@ def to_task_params(request: CompletionRequest, prompt_text: str) -> TextGenerati
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=request.repetition_penalty,
         logit_bias=request.logit_bias,
+        speculative=request.speculative,
     )
 
 

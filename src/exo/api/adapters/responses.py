@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from exo.api.adapters.wire import Encoder, Event, keep_alive_comment, prefill_only, sse_comment, sse_typed
 from exo.shared.types.common import ModelId, new_id
-from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, TextGenerationTaskParams
+from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, Speculative, TextGenerationTaskParams
 
 
 class ReasoningConfig(BaseModel):
@@ -32,6 +32,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool = True
     reasoning: ReasoningConfig | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    speculative: Speculative | None = None  # exo's own, as on chat completions
 
 
 def _content(content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]]:
@@ -133,6 +134,7 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
         tools=_tools(request.tools),
         tool_choice=_tool_choice(request.tool_choice),
         enable_thinking=_enable_thinking(request.reasoning),
+        speculative=request.speculative,
     )
 
 
@@ -265,7 +267,11 @@ class ResponseEncoder(Encoder):
                     "input_tokens": chunk.usage.prompt_tokens,
                     "input_tokens_details": {"cached_tokens": chunk.usage.cached_tokens, "cache_write_tokens": 0},
                     "output_tokens": chunk.usage.completion_tokens,
-                    "output_tokens_details": {"reasoning_tokens": chunk.usage.reasoning_tokens},
+                    "output_tokens_details": {
+                        "reasoning_tokens": chunk.usage.reasoning_tokens,
+                        "accepted_prediction_tokens": chunk.usage.accepted_tokens,
+                        "rejected_prediction_tokens": chunk.usage.proposed_tokens - chunk.usage.accepted_tokens,
+                    },
                     "total_tokens": chunk.usage.total_tokens,
                 }
             # As OpenAI does: running out of max_output_tokens makes the response incomplete.
