@@ -347,3 +347,24 @@ def test_a_split_across_an_mlx_node_and_a_llamacpp_node_runs_mlx_and_answers_lik
         instance = nodes[0].get(f"/instance/{instance_id}").json()
         assert instance["engine"] == "mlx" and len(instance["shardAssignments"]["nodeToRunner"]) == 2
         assert greedy(nodes[0]) == alone and greedy(nodes[1]) == alone and len(alone) > 0
+
+
+@pytest.mark.parametrize("engine", ["mlx", "llamacpp"])
+def test_prompt_lookup_on_a_two_node_pipeline_gives_the_plain_text(engine, tmp_path, tiny_models_dir):
+    """Every rank runs the same scheduler over the same tokens, so every rank proposes the
+    same drafts and keeps the same ones: the split's verify steps agree."""
+    with loopback_cluster(2, tmp_path, {"EXO_MODELS_DIRS": str(tiny_models_dir)}, args=("--engine", engine)) as nodes:
+        wait_converged(nodes)
+        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 2, timeout=30, what="links measured")
+        place_and_wait(nodes[0], "Pipeline", 2)
+        sdk = openai.OpenAI(base_url=f"{nodes[1].url}/v1", api_key="unused", max_retries=0, timeout=120)
+        asked = {
+            "model": TINY_MODEL_ID,
+            "messages": [{"role": "user", "content": "cluster node model token the cat runs over the moon " * 6}],
+            "max_tokens": 64,
+            "temperature": 0,
+        }
+        plain = sdk.chat.completions.create(**asked)
+        fast = sdk.chat.completions.create(**asked, extra_body={"speculative": {"num_draft": 6}})
+        assert fast.choices[0].message.content == plain.choices[0].message.content
+        assert fast.usage.completion_tokens_details.accepted_prediction_tokens > 0
