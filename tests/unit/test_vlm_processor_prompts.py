@@ -10,7 +10,9 @@ what makes the prompt: the image's soft-token budget, what the template writes a
 the image (blank lines or none), a processor template apart from the tokenizer's (in
 processor_config.json, or the legacy chat_template.json), a
 template that writes no BOS with a tokenizer that adds one, begin/end-of-image markers
-named by the tokenizer alone. The image is 120x72: not square, resized to the budget.
+named by the tokenizer alone, the 31B's thinking switch in a vocabulary with the
+reasoning channel's tokens (where mlx-lm's tokenizer finds think markers and would turn
+thinking on). The image is 120x72: not square, resized to the budget.
 Runs the real engine in this process (no node); the processor is transformers' own,
 without its video processor (torchvision, which exo does not install)."""
 
@@ -22,7 +24,9 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from transformers import AutoTokenizer
 
+from exo.api.checks import chat_prompt_token_count, chat_tokenizer_at
 from exo.devtools.tiny_vlms import (
     gemma4_processor_reference,
     make_tiny_gemma4_hub_vlm,
@@ -30,6 +34,7 @@ from exo.devtools.tiny_vlms import (
     processor_inputs,
 )
 from exo.engine.mlx.engine import MlxEngine
+from exo.engine.parsing.reasoning import prompt_opens_reasoning
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.text_generation import ChatMessage, ImageInput, TextGenerationTaskParams
 from tests.support.engine import load_engine
@@ -91,6 +96,67 @@ def test_the_prompt_is_the_processors(layout: str, tmp_path: Path) -> None:
     assert ids == reference_ids
     assert token == best
     assert abs(logprob - reference_logprobs[best]) < TOLERANCE
+
+
+# What a request says of thinking: nothing, on, off (issue 33 saw 320 ids against the
+# processor's 318 on a request that said nothing).
+THINKING_SWITCHES: dict[str, dict[str, bool]] = {
+    "unset": {},
+    "enable_thinking": {"enable_thinking": True},
+    "no_thinking": {"enable_thinking": False},
+}
+
+
+@pytest.fixture(scope="module")
+def thinking_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_gemma4_hub_vlm(tmp_path_factory.mktemp("thinking") / "31b", thinking=True)
+
+
+@pytest.fixture(scope="module")
+def thinking_engine(thinking_vlm: Path) -> MlxEngine:
+    return load_engine(thinking_vlm)
+
+
+@pytest.mark.parametrize("switch", list(THINKING_SWITCHES))
+def test_a_thinking_templates_image_prompt_is_the_processors(
+    switch: str, thinking_vlm: Path, thinking_engine: MlxEngine
+) -> None:
+    """The template's own default where the request does not say (the 31B's: off), as the
+    processor renders it without the switch; the request's choice where it does."""
+    said = THINKING_SWITCHES[switch]
+    reference_ids = processor_inputs(thinking_vlm, VLM_QUESTION, Image.open(io.BytesIO(IMAGE)), **said)
+    reference_ids = reference_ids["input_ids"][0].tolist()
+
+    ids, _, _ = thinking_engine.prompt_of(CommandId("prompt"), _params().model_copy(update=said))
+
+    print(f"thinking {switch}: processor {len(reference_ids)} ids, engine {len(ids)}")
+    assert ids == reference_ids
+
+
+def test_a_text_prompt_that_does_not_say_is_transformers(thinking_vlm: Path, thinking_engine: MlxEngine) -> None:
+    """Without images the engine's prompt is transformers' apply_chat_template on the
+    model's template with no thinking switch passed: thinking off, an empty thought
+    channel closed, so the answer does not start inside reasoning. The API counts the
+    same tokens."""
+    params = TextGenerationTaskParams(
+        model=ModelId("test/model"), messages=[ChatMessage(role="user", content=VLM_QUESTION)]
+    )
+    tokenizer = AutoTokenizer.from_pretrained(thinking_vlm)
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": VLM_QUESTION}], add_generation_prompt=True, tokenize=False
+    )
+
+    ids, text, _ = thinking_engine.prompt_of(CommandId("text"), params)
+
+    assert text == expected
+    assert text.endswith("<|turn>model\n<|channel>thought\n<channel|>")
+    assert "<|think|>" not in text
+    assert ids == tokenizer.encode(expected, add_special_tokens=False)
+    assert thinking_engine.think_markers is not None
+    assert not prompt_opens_reasoning(text, *thinking_engine.think_markers)
+    chat = chat_tokenizer_at(thinking_vlm)
+    assert chat is not None
+    assert chat_prompt_token_count(chat, params, "none") == len(ids)
 
 
 # The hub's Qwen-VL chat template (ChatML, the image as its pad token between the vision

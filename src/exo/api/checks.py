@@ -36,11 +36,10 @@ def _tokenizer_at(path: Path) -> Tokenizer | None:
 @dataclass(frozen=True)
 class ChatTokenizer:
     """What the engine renders a prompt with: the chat template (by transformers, as
-    mlx-lm does), the model type and whether the vocabulary has think tokens."""
+    mlx-lm does) and the model type."""
 
     template: PreTrainedTokenizerFast
     model_type: str
-    has_thinking: bool
 
 
 def _config_at(path: Path) -> dict[str, Any]:
@@ -62,13 +61,10 @@ def chat_tokenizer_at(path: Path) -> ChatTokenizer | None:
         template = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     except Exception:  # missing, unreadable or a custom tokenizer class: the estimate serves
         return None
-    # Where mlx-lm's TokenizerWrapper finds think tokens, the engine renders the template
-    # with enable_thinking on unless the request says otherwise.
-    has_thinking = vocabulary_think_markers(template.get_vocab()) is not None
     # A VLM renders with its processor's template, as the engine does (engine/mlx/loading.py).
     if vision_runs(_config_at(path)) and (processor_template := processor_chat_template(path)) is not None:
         template.chat_template = processor_template
-    return ChatTokenizer(template, model_type, has_thinking)
+    return ChatTokenizer(template, model_type)
 
 
 def local_tokenizer(cluster: ClusterPort, model: str) -> Tokenizer | None:
@@ -90,10 +86,9 @@ def model_think_markers(cluster: ClusterPort, model: str) -> tuple[str, str] | N
 
 def chat_prompt_token_count(chat: ChatTokenizer, params: TextGenerationTaskParams, dialect: str) -> int | None:
     """The prompt's tokens exactly as the engine will build them: the chat template with
-    the tools, the reasoning dialect and the thinking switch. None where the template
-    cannot render the request here (the engine then answers for itself)."""
-    if params.enable_thinking is None:
-        params = params.model_copy(update={"enable_thinking": chat.has_thinking})
+    the tools, the reasoning dialect and the thinking switch (the template's own default
+    where the request does not say). None where the template cannot render the request
+    here (the engine then answers for itself)."""
     try:
         text = render_prompt(chat.template, params, chat.model_type, dialect)
     except Exception:  # a template that raises on this conversation

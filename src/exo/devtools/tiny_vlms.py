@@ -255,12 +255,30 @@ GEMMA4_HUB_TOKENS = {
 }
 
 
-def gemma4_hub_template(image: str = "<|image|>", bos: bool = True) -> str:
+# The tokens of Gemma 4's thinking switch and reasoning channel; a vocabulary with the
+# channel's pair is one mlx-lm's tokenizer finds think markers in.
+GEMMA4_HUB_THINKING_TOKENS = {"soc_token": "<|channel>", "eoc_token": "<channel|>", "think_token": "<|think|>"}
+
+# The 26B-A4B/31B template's thinking switch: off unless the caller turns it on, the
+# system turn opening with <|think|> when on, and when off the generation prompt closing
+# an empty thought channel.
+GEMMA4_THINKING_ON = (
+    "{%- if enable_thinking | default(false) -%}{{- '<|turn>system\\n<|think|><turn|>\\n' -}}{%- endif -%}"
+)
+GEMMA4_THINKING_OFF = (
+    "{%- if not enable_thinking | default(false) -%}{{- '<|channel>thought\\n<channel|>' -}}{%- endif -%}"
+)
+
+
+def gemma4_hub_template(image: str = "<|image|>", bos: bool = True, thinking: bool = False) -> str:
     """The user and model turns of the hub's Gemma 4 chat template: `image` is what it
     writes for an image part (the 26B-A4B/31B template's bare token, or earlier ones'
-    with blank lines around it); `bos`: whether it writes the BOS itself."""
+    with blank lines around it); `bos`: whether it writes the BOS itself; `thinking`: with
+    the 26B-A4B/31B template's thinking switch."""
     return (
-        ("{{- bos_token -}}" if bos else "") + "{%- for message in messages -%}"
+        ("{{- bos_token -}}" if bos else "")
+        + (GEMMA4_THINKING_ON if thinking else "")
+        + "{%- for message in messages -%}"
         "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
         "{{- '<|turn>' + role + '\\n' -}}"
         "{%- if message['content'] is string -%}{{- message['content'] | trim -}}{%- else -%}"
@@ -270,7 +288,9 @@ def gemma4_hub_template(image: str = "<|image|>", bos: bool = True) -> str:
         "{%- endfor -%}{%- endif -%}"
         "{{- '<turn|>\\n' -}}"
         "{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|turn>model\\n' -}}{%- endif -%}"
+        "{%- if add_generation_prompt -%}{{- '<|turn>model\\n' -}}"
+        + (GEMMA4_THINKING_OFF if thinking else "")
+        + "{%- endif -%}"
     )
 
 
@@ -282,6 +302,7 @@ def make_tiny_gemma4_hub_vlm(
     template_file: str = "chat_template.jinja",
     tokenizer_adds_bos: bool = False,
     config_markers: bool = True,
+    thinking: bool = False,
     seed: int = 0,
 ) -> Path:
     """The 26B-A4B-layout Gemma 4 VLM with its processor's files as the hub's checkpoints
@@ -290,8 +311,11 @@ def make_tiny_gemma4_hub_vlm(
     `template_file` "processor_config.json" or "chat_template.json", the processor's
     alone while the tokenizer keeps a template of its own. `tokenizer_adds_bos`: the tokenizer adds a
     BOS (as one whose template writes none does); `config_markers`: config.json names the
-    begin/end-of-image ids (else only the tokenizer names those tokens)."""
-    path = make_tiny_gemma4_vlm(Path(path), seed, layout="26b", tokens=GEMMA4_HUB_TOKENS)
+    begin/end-of-image ids (else only the tokenizer names those tokens); `thinking`: the
+    vocabulary has the reasoning channel's tokens and the template the 31B's thinking
+    switch."""
+    tokens = {**GEMMA4_HUB_TOKENS, **(GEMMA4_HUB_THINKING_TOKENS if thinking else {})}
+    path = make_tiny_gemma4_vlm(Path(path), seed, layout="26b", tokens=tokens)
     saved = json.loads((path / "preprocessor_config.json").read_text())
     (path / "preprocessor_config.json").unlink()
     image_processor = {**saved, "max_soft_tokens": max_soft_tokens, "image_seq_length": max_soft_tokens}
@@ -301,7 +325,7 @@ def make_tiny_gemma4_hub_vlm(
         "image_seq_length": max_soft_tokens,
         "processor_class": "Gemma4Processor",
     }
-    template = gemma4_hub_template(image, bos)
+    template = gemma4_hub_template(image, bos, thinking)
     tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
     if template_file == "processor_config.json":
         processor["chat_template"] = template
@@ -327,11 +351,12 @@ def make_tiny_gemma4_hub_vlm(
     return path
 
 
-def processor_inputs(path: Path, question: str, image: Any) -> Any:
+def processor_inputs(path: Path, question: str, image: Any, **template_kwargs: Any) -> Any:
     """transformers' own processor of the model dir's family (Gemma4Processor,
     Qwen2_5_VLProcessor, Qwen3VLProcessor), loaded as from_pretrained loads it (its chat
     template, tokenizer and image processor), on one user turn of an image then
-    `question`: apply_chat_template's tokenized inputs (torch tensors). The video
+    `question`: apply_chat_template's tokenized inputs (torch tensors), `template_kwargs`
+    passed to the template (enable_thinking). The video
     processor is not loaded: it needs torchvision, which exo does not install; an
     image-only prompt never reaches it (an image processor stands in its place)."""
     from transformers import Gemma4Processor, Qwen2_5_VLProcessor, Qwen3VLProcessor
@@ -360,6 +385,7 @@ def processor_inputs(path: Path, question: str, image: Any) -> Any:
         tokenize=True,
         return_dict=True,
         return_tensors="pt",
+        **template_kwargs,
     )
 
 
