@@ -7,7 +7,9 @@ A copy-heavy workload: the prompt holds a text of `--length` tokens and the answ
 it back (a scripted model whose greedy answer is that text: the best case, where every
 proposal is right, standing in for an edited file written back). Each round runs the
 same greedy request without and with speculation; the text must be identical. Prints
-decode tok/s (first token to last), the ratio, and the acceptance rate."""
+decode tok/s (first token to last), the ratio, and the acceptance rate. With
+`--concurrency N`, also N streams at once, plain and then half of them speculative:
+every text must equal its solo run; prints the aggregate decode tok/s of both."""
 
 import argparse
 import statistics
@@ -22,8 +24,8 @@ from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.text_generation import Speculative, TextGenerationTaskParams
 
 
-def decode(engine: Any, prompt: list[int], max_tokens: int, speculative: Speculative | None) -> dict[str, Any]:
-    params = TextGenerationTaskParams(
+def _params(prompt: list[int], max_tokens: int, speculative: Speculative | None) -> TextGenerationTaskParams:
+    return TextGenerationTaskParams(
         model=ModelId("bench"),
         messages=[],
         prompt=prompt,
@@ -31,23 +33,60 @@ def decode(engine: Any, prompt: list[int], max_tokens: int, speculative: Specula
         temperature=0.0,
         speculative=speculative,
     )
-    engine.submit(CommandId("bench"), params)
-    tokens: list[int] = []
-    first = usage = None
+
+
+def decode_together(engine: Any, requests: dict[str, TextGenerationTaskParams]) -> tuple[dict[str, Any], float]:
+    """Every request at once; each one's tokens and usage, and the aggregate decode tok/s
+    (tokens after each first, over the time from the first first token to the end)."""
+    for name, params in requests.items():
+        engine.submit(CommandId(name), params)
+    tokens: dict[str, list[int]] = {name: [] for name in requests}
+    usage: dict[str, Any] = {}
+    first = None
     while engine.has_work:
         for chunk in engine.step():
             if chunk.token_ids and first is None:
                 first = time.perf_counter()
-            tokens += chunk.token_ids
-            usage = chunk.usage or usage
-    assert first is not None and usage is not None
+            tokens[chunk.command_id] += chunk.token_ids
+            if chunk.usage is not None:
+                usage[chunk.command_id] = chunk.usage
+    assert first is not None
     elapsed = time.perf_counter() - first
+    results = {name: {"tokens": tokens[name], "usage": usage[name]} for name in requests}
+    return results, sum(len(t) - 1 for t in tokens.values()) / elapsed
+
+
+def decode(engine: Any, prompt: list[int], max_tokens: int, speculative: Speculative | None) -> dict[str, Any]:
+    results, tps = decode_together(engine, {"bench": _params(prompt, max_tokens, speculative)})
+    usage = results["bench"]["usage"]
     return {
-        "tokens": tokens,
-        "tps": (len(tokens) - 1) / elapsed,
+        "tokens": results["bench"]["tokens"],
+        "tps": tps,
         "proposed": usage.proposed_tokens,
         "accepted": usage.accepted_tokens,
     }
+
+
+def bench_streams(name: str, engine: Any, prompt: list[int], max_tokens: int, streams: int, num_draft: int) -> None:
+    """`streams` requests of different lengths (each its prompt's text cut at its own
+    place), plain, then the odd ones speculative."""
+    prompts = {f"s{i}": prompt[: len(prompt) - 1 - 7 * i] + prompt[-1:] for i in range(streams)}
+    solo = {key: decode(engine, p, max_tokens, None)["tokens"] for key, p in prompts.items()}
+    plain, plain_tps = decode_together(engine, {key: _params(p, max_tokens, None) for key, p in prompts.items()})
+    mixed_requests = {
+        key: _params(p, max_tokens, Speculative(num_draft=num_draft) if i % 2 else None)
+        for i, (key, p) in enumerate(prompts.items())
+    }
+    mixed, mixed_tps = decode_together(engine, mixed_requests)
+    for results in (plain, mixed):
+        if any(results[key]["tokens"] != solo[key] for key in prompts):
+            raise SystemExit(f"{name}: a batched stream's text differs from its solo run")
+    kept = sum(result["usage"].accepted_tokens for result in mixed.values())
+    proposed = sum(result["usage"].proposed_tokens for result in mixed.values())
+    print(
+        f"{name} {streams} streams: plain batching {plain_tps:.1f} tok/s, half prompt lookup {mixed_tps:.1f} tok/s "
+        f"({mixed_tps / plain_tps:.2f}x), {kept} of {proposed} proposed kept, every text equal to its solo run"
+    )
 
 
 def bench(name: str, engine: Any, prompt: list[int], max_tokens: int, rounds: int, num_draft: int) -> float:
@@ -79,6 +118,7 @@ def main() -> None:
     parser.add_argument("--num-draft", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=0, help="also this many streams at once")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = Path(scratch) / "copy"
@@ -90,6 +130,8 @@ def main() -> None:
             engine = loaders[name](model_dir)
             try:
                 bench(name, engine, prompt, args.max_tokens, args.rounds, args.num_draft)
+                if args.concurrency:
+                    bench_streams(name, engine, prompt, args.max_tokens, args.concurrency, args.num_draft)
             finally:
                 engine.close()
 
