@@ -21,6 +21,14 @@ MODEL = "acme/nomerges"
 LLAMACPP_SAYS = "cannot find tokenizer merges in model file"
 
 
+def make_refused_model(models: Path, tiny_models_dir: Path) -> Path:
+    """The tiny llama under MODEL in `models`, its tokenizer a byte-level BPE without merges."""
+    model_dir = models / MODEL.replace("/", "--")
+    shutil.copytree(tiny_models_dir / TINY_MODEL_ID.replace("/", "--"), model_dir)
+    write_tokenizer_of_kind(model_dir, "bpe-no-merges")
+    return model_dir
+
+
 def chat(node: ExoNode) -> dict:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "the cat runs"}], "max_tokens": 6}
     response = httpx.post(f"{node.url}/v1/chat/completions", json=body, timeout=120)
@@ -48,9 +56,7 @@ def serving_reasons(state: dict) -> list[str | None]:
 
 def test_a_model_llamacpp_refuses_serves_on_mlx_and_is_not_converted_again(tmp_path: Path, tiny_models_dir: Path):
     models = tmp_path / "models"
-    model_dir = models / MODEL.replace("/", "--")
-    shutil.copytree(tiny_models_dir / TINY_MODEL_ID.replace("/", "--"), model_dir)
-    write_tokenizer_of_kind(model_dir, "bpe-no-merges")
+    make_refused_model(models, tiny_models_dir)
     home = tmp_path / "home"
     env = {"EXO_MODELS_DIRS": str(models)}
 

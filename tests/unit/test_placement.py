@@ -16,6 +16,7 @@ from exo.master.placement import (
     kv_cache_bytes,
     place_instance,
     split_layers,
+    splits_to_move_to_mlx,
     with_free_ring_ports,
     with_ring_port_moved,
 )
@@ -902,6 +903,38 @@ def test_with_a_cluster_secret_a_llamacpp_split_runs_mlx_and_the_preview_says_wh
     open_state = with_engines(fully_linked(a=30, b=30), a="llamacpp", b="llamacpp")
     assert instance_problem(open_state, hand_built) is None
     assert two_node_preview(open_state, llama, Sharding.Pipeline).engine_reason is None
+
+
+def test_a_llamacpp_split_of_a_model_llamacpp_refused_moves_to_mlx_on_the_same_nodes_and_layers():
+    state = with_engines(fully_linked(a=30, b=30), a="llamacpp", b="llamacpp")
+    llama = make_card(weights_gib=1).model_copy(update={"family": "llama", "quantization": "4bit"})
+    split = two_node_preview(state, llama, Sharding.Pipeline).instance
+    single = place_instance(state, llama)
+    assert split is not None and split.engine == single.engine == EngineKind.LlamaCpp
+    instances = {split.instance_id: split, single.instance_id: single}
+    state = state.model_copy(update={"instances": instances})
+    assert splits_to_move_to_mlx(state) == []
+
+    refused = {ModelId(llama.model_id): "llama.cpp could not load the GGUF: no merges"}
+    node_b = state.nodes[NodeId("b")].model_copy(update={"llamacpp_refusals": refused})
+    state = state.model_copy(update={"nodes": {**state.nodes, NodeId("b"): node_b}})
+    # The single runner falls back to MLX itself; only the split is placed again.
+    ((old, new),) = splits_to_move_to_mlx(state)
+    assert old == split and new.engine == EngineKind.Mlx
+    assert new.engine_reason == "runs on MLX: llama.cpp could not load the GGUF: no merges"
+
+    def layers(instance: Instance) -> dict[NodeId, tuple[int, int, int]]:
+        shards = instance.shard_assignments.runner_to_shard
+        return {
+            node_id: (shards[runner_id].device_rank, shards[runner_id].start_layer, shards[runner_id].end_layer)
+            for node_id, runner_id in instance.shard_assignments.node_to_runner.items()
+        }
+
+    assert layers(new) == layers(split) and new.instance_id != split.instance_id
+    assert not set(new.shard_assignments.runner_to_shard) & set(split.shard_assignments.runner_to_shard)
+    # Other ports: the old ranks may still hold theirs.
+    assert [h.rsplit(":", 1)[0] for h in new.hosts] == [h.rsplit(":", 1)[0] for h in split.hosts]
+    assert not {h.rsplit(":", 1)[1] for h in new.hosts} & {h.rsplit(":", 1)[1] for h in split.hosts}
 
 
 def test_the_preview_says_why_an_instance_on_llamacpp_nodes_runs_mlx():

@@ -100,12 +100,17 @@ class Generation:
         )
 
     async def _wait_for_instance(self, instance_id: InstanceId) -> AsyncIterator[str]:
-        """Until the instance placed for this request serves; keep-alive comments meanwhile."""
+        """Until the instance placed for this request serves, or the one the master placed
+        in its stead (on MLX, or after a lost node); keep-alive comments meanwhile."""
         last_failure = ""
         next_comment = 0.0
+        successor: InstanceId | None = None
         # Closed on return, so its pending read of the queue takes no chunk meant for later.
         async with aclosing(self._watch(instance_id=instance_id)) as watch:
             async for seen in watch:
+                if seen.gone is not None and (others := instances_of(seen.state, self.command.params.model)):
+                    successor = others[0].instance_id
+                    break
                 if seen.gone is not None:
                     raise ApiError(
                         503,
@@ -121,6 +126,9 @@ class Generation:
                 if seen.waited >= next_comment:
                     yield loading_comment(seen)
                     next_comment = seen.waited + KEEPALIVE_SECONDS
+        if successor is not None:
+            async for comment in self._wait_for_instance(successor):
+                yield comment
 
     async def _route_again(self, failure: ChunkGenerated) -> AsyncIterator[str]:
         """The instance the request went to is gone (or none served) before a token came:

@@ -10,6 +10,7 @@ from exo.master.placement import (
     PlacementError,
     instance_problem,
     place_instance,
+    splits_to_move_to_mlx,
     with_free_ring_ports,
     with_ring_port_moved,
 )
@@ -111,6 +112,7 @@ class Master:
         # so streams it served end and its instances are re-placed without a delay.
         self._drop_lost_nodes()
         self._drop_orphaned_tasks()
+        self._move_splits_to_mlx()
 
     def _drop_lost_nodes(self) -> None:
         alive = self.alive_nodes()
@@ -154,17 +156,33 @@ class Master:
         logger.info(f"re-placing {card.model_id} on {list(instance.shard_assignments.node_to_runner)}")
         self.emit(InstanceCreated(instance=instance))
 
+    def _move_splits_to_mlx(self) -> None:
+        """Splits on llama.cpp that must run MLX now (a node reported that llama.cpp refused
+        the model) go on MLX at once, on the same nodes: their runners could only fail,
+        and be given up on at the third failure."""
+        for old, new in splits_to_move_to_mlx(self.state):
+            reason = f"placed again as instance {new.instance_id} on MLX ({new.engine_reason})"
+            logger.warning(f"instance {old.instance_id} of {old.model_id}: {reason}")
+            # The new one first: a request waiting for the old one then always finds it.
+            self.emit(InstanceCreated(instance=new))
+            self._delete_instance(old.instance_id, reason)
+
     async def _consume_commands(self) -> None:
         while True:
             command = await self._commands.get()
             try:
                 self.handle_command(command)
+                self._move_splits_to_mlx()  # a split placed on llama.cpp by hand
             except Exception:
                 logger.exception(f"master: command {command.kind} failed")
 
     async def _consume_local_events(self) -> None:
         while True:
             self.emit(await self._local_events.get())
+            try:
+                self._move_splits_to_mlx()  # a node's report of a refusal
+            except Exception:
+                logger.exception("master: moving splits to MLX failed")
 
     def emit(self, event: Event) -> None:
         indexed = IndexedEvent(idx=self.state.last_event_applied_idx + 1, event=event)

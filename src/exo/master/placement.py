@@ -324,7 +324,7 @@ def _preview(
         return preview.model_copy(update={"error": "; ".join(reasons)})
     instance = _build_instance(card, sharding, ring, layer_ranges, _ring_hosts(state, links, ring))
     engine, engine_reason = _instance_engine(state, card, sharding, ring)
-    instance = instance.model_copy(update={"engine": engine})
+    instance = instance.model_copy(update={"engine": engine, "engine_reason": engine_reason})
     return preview.model_copy(update={"instance": instance, "engine_reason": engine_reason})
 
 
@@ -546,6 +546,50 @@ def _build_instance(
         ),
         hosts=hosts,
     )
+
+
+# --- instances placed before ------------------------------------------------------------
+
+
+def splits_to_move_to_mlx(state: State) -> list[tuple[Instance, Instance]]:
+    """Each split instance on llama.cpp that placement would now put on MLX (most often:
+    llama.cpp refused its model on one of its nodes), with the same placement on MLX. A
+    single runner loads such a model on MLX itself; a split cannot (only its rank 0 loads
+    under llama.cpp, and one rank cannot change the engine of a ring), so the master
+    places it again."""
+    moves = []
+    for instance in state.instances.values():
+        if instance.engine != EngineKind.LlamaCpp or instance.world_size == 1:
+            continue
+        ring = _nodes_by_rank(instance)
+        if any(node_id not in state.nodes for node_id in ring):
+            continue  # a node left: the master re-places what remains
+        card = next(iter(instance.shard_assignments.runner_to_shard.values())).model_card
+        engine, reason = _instance_engine(state, card, instance.sharding, ring)
+        if engine == EngineKind.Mlx:
+            moves.append((instance, _on_mlx(state, instance, ring, reason)))
+    return moves
+
+
+def _nodes_by_rank(instance: Instance) -> list[NodeId]:
+    shards = instance.shard_assignments.runner_to_shard
+    ranks = {
+        node_id: shards[runner_id].device_rank
+        for node_id, runner_id in instance.shard_assignments.node_to_runner.items()
+    }
+    return sorted(ranks, key=ranks.__getitem__)
+
+
+def _on_mlx(state: State, instance: Instance, ring: list[NodeId], reason: str | None) -> Instance:
+    """The same nodes, ranks and layers on MLX. New ids, so no runner status or failure
+    count carries over; ring ports the old instance (still in `state`, its runners maybe
+    still holding theirs) does not use."""
+    assignments = instance.shard_assignments
+    shards = [assignments.runner_to_shard[assignments.node_to_runner[node_id]] for node_id in ring]
+    ranges = [(shard.start_layer, shard.end_layer) for shard in shards]
+    moved = _build_instance(shards[0].model_card, instance.sharding, ring, ranges, instance.hosts)
+    moved = moved.model_copy(update={"engine": EngineKind.Mlx, "engine_reason": reason})
+    return with_free_ring_ports(state, moved)
 
 
 # --- instances made elsewhere ------------------------------------------------------------

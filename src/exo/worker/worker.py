@@ -128,8 +128,19 @@ class Worker:
     def _on_runner_event(self, event: Event) -> None:
         if isinstance(event, RunnerStatusUpdated):
             self._runner_statuses[event.runner_id] = event
+            if isinstance(event.status, RunnerFailed):
+                self._report_new_refusals()
         self.emit(event)
         self._wake.set()
+
+    def _report_new_refusals(self) -> None:
+        """A runner that failed may have just recorded that llama.cpp refused its model.
+        Reported before the failure, not at the next gathering, so the master places a
+        split of it on MLX before any rank restarts or gives up on its peer."""
+        known = self.replica.state.nodes.get(self.node_id)
+        refusals = llamacpp_refusals(self.exo_home, self.engine)
+        if known is not None and refusals != known.llamacpp_refusals:
+            self.emit(NodeGatheredInfo(info=known.model_copy(update={"llamacpp_refusals": refusals})))
 
     def report_runner_statuses(self) -> None:
         for runner_id in self.supervisors:
@@ -478,7 +489,6 @@ def gather_node_info(
 ) -> NodeInfo:
     memory = psutil.virtual_memory()
     hardware = probe()
-    refusals = recorded_refusals(gguf_cache_dir(exo_home)) if engine == EngineKind.LlamaCpp else {}
     return NodeInfo(
         node_id=node_id,
         friendly_name=socket.gethostname(),
@@ -486,7 +496,7 @@ def gather_node_info(
         backend=mlx_backend(hardware),
         engine=engine,
         sealed=sealed,
-        llamacpp_refusals={ModelId(model_id): reason for model_id, reason in refusals.items()},
+        llamacpp_refusals=llamacpp_refusals(exo_home, engine),
         cpu_count=psutil.cpu_count() or 1,
         memory=MemoryInfo(total_bytes=memory.total, available_bytes=memory.available),
         gpus=nvidia_gpus(hardware),
@@ -494,6 +504,13 @@ def gather_node_info(
         api_port=api_port,
         interfaces=local_interfaces(),
     )
+
+
+def llamacpp_refusals(exo_home: Path, engine: EngineKind) -> dict[ModelId, str]:
+    """The models llama.cpp refused on this node (records beside its GGUF cache)."""
+    if engine != EngineKind.LlamaCpp:
+        return {}
+    return {ModelId(model_id): reason for model_id, reason in recorded_refusals(gguf_cache_dir(exo_home)).items()}
 
 
 def _differs(known: NodeInfo, info: NodeInfo) -> bool:

@@ -39,6 +39,8 @@ class Instance(FrozenModel):
     # empty for a single-rank instance.
     hosts: list[str] = []
     engine: EngineKind = EngineKind.Mlx
+    # Why it runs MLX on nodes that run llama.cpp (placement's reason); None otherwise.
+    engine_reason: str | None = None
 
     @property
     def model_id(self) -> ModelId:
