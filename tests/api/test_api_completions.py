@@ -151,5 +151,9 @@ def test_encoder_maps_finish_reasons_and_echo():
         "completion_tokens": 1,
         "total_tokens": 3,
         "prompt_tokens_details": {"cached_tokens": 0},
-        "completion_tokens_details": {"reasoning_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
     }

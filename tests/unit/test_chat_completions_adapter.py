@@ -154,7 +154,11 @@ def test_body_has_reasoning_content_and_answer():
     assert message.content == "Hi"
     assert body["choices"][0]["message"]["reasoning_content"] == "Hmm."
     assert message.tool_calls is None
-    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
+    assert body["usage"]["completion_tokens_details"] == {
+        "reasoning_tokens": 4,
+        "accepted_prediction_tokens": 0,
+        "rejected_prediction_tokens": 0,
+    }
 
 
 def test_body_without_reasoning_has_no_reasoning_content():
