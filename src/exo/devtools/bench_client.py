@@ -29,6 +29,9 @@ class Measured:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     tokens: int = 0
+    # Speculative decoding: proposals kept and not kept (usage's prediction tokens).
+    accepted_tokens: int = 0
+    rejected_tokens: int = 0
     text: str = ""
     sent_at: float = 0.0
     first_at: float = 0.0
@@ -73,7 +76,15 @@ class Round:
             "prefill_tps": sum(r.prompt_tokens / max(r.ttft, 1e-9) for r in self.requests) / count,
             "decode_tps": sum(r.decode_tps for r in self.requests) / count,
             "aggregate_tps": self.aggregate_tps,
+            "proposals_kept": _kept(self.requests),
         }
+
+
+def _kept(requests: list[Measured]) -> float | None:
+    """The share of proposed tokens kept; None when nothing was proposed."""
+    accepted = sum(r.accepted_tokens for r in requests)
+    proposed = accepted + sum(r.rejected_tokens for r in requests)
+    return accepted / proposed if proposed else None
 
 
 def messages_for(words: int, tag: str) -> list[dict[str, str]]:
@@ -115,6 +126,9 @@ def stream_chat(url: str, body: dict[str, Any], headers: dict[str, str] | None =
                 measured.tokens = usage["completion_tokens"]
                 measured.prompt_tokens = usage["prompt_tokens"]
                 measured.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                details = usage.get("completion_tokens_details") or {}
+                measured.accepted_tokens = details.get("accepted_prediction_tokens") or 0
+                measured.rejected_tokens = details.get("rejected_prediction_tokens") or 0
             for choice in event.get("choices") or []:
                 delta = choice.get("delta") or {}
                 text = delta.get("content") or delta.get("reasoning_content") or ""

@@ -116,11 +116,13 @@ class ExoTarget:
     model: str
     placement: str
     api_key: str | None = None
+    # Tokens proposed per verify by prompt lookup (exo's speculative field); 0: plain.
+    speculative: int = 0
     instance_id: str | None = field(default=None, init=False)
 
     @property
     def name(self) -> str:
-        return f"exo {self.placement}"
+        return f"exo {self.placement}" + (" spec" if self.speculative else "")
 
     @property
     def headers(self) -> dict[str, str]:
@@ -149,6 +151,9 @@ class ExoTarget:
 
     def round(self, messages: list[list[dict[str, str]]], max_tokens: int, banned: list[int]) -> Round:
         bodies = [chat_body(self.model, m, max_tokens, banned) for m in messages]
+        if self.speculative:
+            for body in bodies:
+                body["speculative"] = {"method": "prompt_lookup", "num_draft": self.speculative}
         return concurrent_round(self.url, bodies, self.headers)
 
     def close(self) -> None:

@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also the raw engine: mlx-lm and mlx_lm.server (MLX nodes) or llama.cpp (llama.cpp nodes)",
     )
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--speculative", type=int, default=0, help="also each placement with prompt lookup, this many tokens proposed"
+    )
     parser.add_argument("--verify", action="store_true", help="check each stream's text against its solo run")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--url", help="an existing exo cluster (else nodes are started on loopback)")
@@ -226,15 +229,17 @@ def _texts_match(what: str, cell: str, row: dict[str, Any], base: dict[str, Any]
 
 def print_table(rows: list[dict[str, Any]], found: list[dict[str, Any]]) -> None:
     header = (
-        f"{'target':<14} {'pp':>5} {'tg':>4} {'c':>2} {'cache':>5} {'prompt':>6} {'cached':>6}"
+        f"{'target':<16} {'pp':>5} {'tg':>4} {'c':>2} {'cache':>5} {'prompt':>6} {'cached':>6}"
         f" {'TTFT s':>7} {'pp tok/s':>9} {'tg tok/s':>8} {'agg tok/s':>9}  checks"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         checks = " ".join(f"{key}={r[key]}" for key in ("identical_to_solo", "warm_equals_cold") if key in r)
+        if r.get("proposals_kept") is not None:
+            checks += f" kept={r['proposals_kept']:.0%}"
         print(
-            f"{r['target']:<14} {r['pp']:>5} {r['tg']:>4} {r['concurrency']:>2} {r['prefix_cache']:>5}"
+            f"{r['target']:<16} {r['pp']:>5} {r['tg']:>4} {r['concurrency']:>2} {r['prefix_cache']:>5}"
             f" {r['prompt_tokens']:>6} {r['cached_tokens']:>6} {r['ttft_s']:>7.3f} {r['prefill_tps']:>9.1f}"
             f" {r['decode_tps']:>8.1f} {r['aggregate_tps']:>9.1f}  {checks}"
         )
@@ -277,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         with nodes_or_url as url:
             exo = [ExoTarget(url, args.model, placement, args.api_key) for placement in args.placements]
+            if args.speculative:
+                exo += [ExoTarget(url, args.model, p, args.api_key, args.speculative) for p in args.placements]
             # Prompt sizes are found on exo's own template once, then sent to every target.
             exo[0].open()
             args.words = {pp: words_for_tokens(url, args.model, pp, exo[0].headers) for pp in args.pp}
