@@ -28,6 +28,7 @@ from pydantic import Field, TypeAdapter
 from exo.engine import limits
 from exo.engine.answer import AnswerStream, output_parser_for
 from exo.engine.base import ConvertProgress, LayerProgress, generate_warmup
+from exo.engine.detokenizer import StreamingDetokenizer
 from exo.engine.mlx.batching import DecodeBatch, Joiner, can_batch, prefill_together
 from exo.engine.mlx.chat_template import detected_think_markers, encode_prompt
 from exo.engine.mlx.constrained import GrammarProcessor, grammar_for, grammar_tokenizer
@@ -375,7 +376,7 @@ class MlxEngine:
         max_tokens = max_tokens_of(params)
         answer = AnswerStream(
             op.request_id,
-            self.tokenizer.detokenizer,
+            self._detokenizer(),
             output_parser_for(params, prompt_text, self.think_markers, self.tool_format),
             params.stop,
             self.tokenizer.eos_token_ids,
@@ -390,6 +391,14 @@ class MlxEngine:
         self._scheduler().add(
             Request(op.request_id, prompt, answer, logprobs_wanted(params), work, key, lookup=lookup)
         )
+
+    def _detokenizer(self) -> Any:
+        """The answer's text as the tokenizer decodes its tokens (the llama.cpp engine's
+        detokenizer): mlx-lm's BPE one drops the first token's leading space, which
+        decoding keeps (an answer starting with " fast" came out as "fast")."""
+        assert self.tokenizer is not None
+        backend = getattr(self.tokenizer._tokenizer, "backend_tokenizer", None)
+        return StreamingDetokenizer(backend) if backend is not None else self.tokenizer.detokenizer
 
     def prompt_of(
         self, request_id: CommandId, params: TextGenerationTaskParams
