@@ -325,4 +325,6 @@ def make_copy_model(
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     to_unicode = _bytes_to_unicode()
     ids = [tokenizer.token_to_id("".join(to_unicode[byte] for byte in piece.encode())) for piece in pieces]
-    return [*ids, _prompt_end_token(load_tokenizer(path), family)]
+    if any(token is None for token in ids):
+        raise ValueError("a script piece has no token of its own")
+    return [*(token for token in ids if token is not None), _prompt_end_token(load_tokenizer(path), family)]
