@@ -2,7 +2,7 @@
 together over the router."""
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,11 +20,11 @@ from exo.routing.replica import StateReplica
 from exo.routing.router import Router, Topic, Transport
 from exo.routing.seal import SealedTransport, peer_token, secret_fingerprint
 from exo.routing.zenoh_transport import ZenohTransport
+from exo.shared.history import History
 from exo.shared.image_store import images_dir
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.commands import Command
 from exo.shared.types.common import CommandId, NodeId, new_id
-from exo.shared.types.events import IndexedEvent
 from exo.shared.types.instances import EngineKind
 from exo.shared.types.state import State
 from exo.shared.types.text_generation import ChunkGenerated
@@ -95,7 +95,8 @@ class Node:
             transport = SealedTransport(transport, config.cluster_secret)
             logger.info(f"cluster messages sealed (secret fingerprint {secret_fingerprint(config.cluster_secret)})")
         self.router = Router(self.node_id, transport)
-        self.replica = StateReplica(self.router, config.exo_home / "data" / "event_log.jsonl", self.node_id)
+        data = config.exo_home / "data"
+        self.replica = StateReplica(self.router, data / "history", self.node_id, legacy_log=data / "event_log.jsonl")
         self.catalog = Catalog(config.exo_home)
         self.chunk_streams = ChunkStreams(self.router)
         self.master: Master | None = None
@@ -139,7 +140,7 @@ class Node:
         return self.replica.state
 
     @property
-    def history(self) -> Sequence[IndexedEvent]:
+    def history(self) -> History:
         return self.replica.history
 
     async def wait_for(self, condition: Callable[[State], bool], timeout: float) -> State:

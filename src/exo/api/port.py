@@ -4,17 +4,17 @@ chunks of its own requests; it never reaches into the replica, the router or the
 election. Routers get the port through FastAPI's `Depends` (see `ClusterDep`)."""
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Protocol
 
 from fastapi import Depends, Request
 
+from exo.shared.history import History
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.commands import Command
 from exo.shared.types.common import CommandId, NodeId
-from exo.shared.types.events import IndexedEvent
 from exo.shared.types.state import State
 from exo.shared.types.text_generation import ChunkGenerated
 
@@ -54,7 +54,7 @@ class ClusterPort(Protocol):
         ...
 
     @property
-    def history(self) -> Sequence[IndexedEvent]: ...
+    def history(self) -> History: ...
 
     async def wait_for(self, condition: Callable[[State], bool], timeout: float) -> State:
         """Until State satisfies condition; raises TimeoutError."""

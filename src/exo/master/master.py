@@ -56,7 +56,7 @@ from exo.shared.types.events import (
     TaskStatusUpdated,
 )
 from exo.shared.types.instances import Instance
-from exo.shared.types.state import State
+from exo.shared.types.state import State, StateSnapshot
 from exo.shared.types.tasks import (
     FINISHED_TASK_STATUSES,
     TaskStatus,
@@ -132,8 +132,8 @@ class Master:
             await asyncio.sleep(NODE_CHECK_SECONDS)
             # Re-announce the head of the log, so a node that joined a quiet cluster
             # notices it is behind and asks for the rest.
-            if self.replica.history:
-                self.router.publish(Topic.GLOBAL_EVENTS, self.replica.history[-1])
+            if (head := self.replica.head()) is not None:
+                self.router.publish(Topic.GLOBAL_EVENTS, head)
             self._drop_lost_nodes()
             self._drop_orphaned_tasks()
 
@@ -213,6 +213,10 @@ class Master:
             case MoveRingPort(instance_id=instance_id, node_id=node_id, host=host):
                 self._move_ring_port(instance_id, node_id, host)
             case RequestEventLog(since_idx=since_idx):
+                if since_idx < self.replica.history.start:
+                    # Compacted away: the node takes the whole State instead.
+                    self.router.publish(Topic.GLOBAL_EVENTS, StateSnapshot(snapshot=self.state))
+                    return
                 for indexed in self.replica.history.since(since_idx):
                     self.router.publish(Topic.GLOBAL_EVENTS, indexed)
             case TaskFinished(finished_command_id=finished_command_id):

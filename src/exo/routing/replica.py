@@ -1,7 +1,9 @@
 """This node's copy of State and of the event history that builds it. Every node keeps
-the history durably on disk, so any node elected master continues from it."""
+the history durably on disk (`shared/history.py`: snapshots and the events after them),
+so any node elected master continues from it."""
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +12,7 @@ from loguru import logger
 
 from exo.routing.router import Router, Topic
 from exo.shared.apply import apply
-from exo.shared.event_log import EventLog
+from exo.shared.history import History
 from exo.shared.types.commands import (
     AddCustomModelCard,
     CancelDownload,
@@ -22,33 +24,58 @@ from exo.shared.types.commands import (
 )
 from exo.shared.types.common import NodeId
 from exo.shared.types.events import CustomModelCardAdded, CustomModelCardDeleted, DownloadOrdered, IndexedEvent
-from exo.shared.types.state import State
+from exo.shared.types.state import State, StateSnapshot
 
 GAP_RETRY_SECONDS = 1.0
+# A snapshot of State every this many events, or this often while events arrive: the
+# log then holds at most about two intervals of events (a few MB at the defaults).
+SNAPSHOT_EVENTS = int(os.environ.get("EXO_SNAPSHOT_EVENTS", "10000"))
+SNAPSHOT_SECONDS = float(os.environ.get("EXO_SNAPSHOT_SECONDS", "600"))
 
 
 class StateReplica:
-    def __init__(self, router: Router, log_path: Path, node_id: NodeId | None = None) -> None:
+    def __init__(
+        self, router: Router, history_dir: Path, node_id: NodeId | None = None, legacy_log: Path | None = None
+    ) -> None:
         self.router = router
         # Which of the dropped download orders this node asks for again (its own).
         self.node_id = node_id
-        self.log = EventLog(log_path)
-        self.state = State()
-        for indexed in self.log.since(0):
-            self.state = apply(self.state, indexed)
+        self.log = History(history_dir, legacy_log)
+        self.state = self._replay()
         self._events = router.subscribe_with_origin(Topic.GLOBAL_EVENTS)
         # The elected master (set by the node): after a partition heals, its history wins.
         self.master_id: NodeId | None = None
         self._early: dict[int, IndexedEvent] = {}
         self._gap_requested_at = -2
         self._gap_requested_time = 0.0
+        # Set when this node's history went apart from the master's before anything it
+        # still holds: it keeps serving its State until the master's snapshot replaces it.
+        self._starting_over = False
+        self._snapshot_idx = max(self.log.snapshot_indices(), default=-1)
+        self._snapshot_time = time.monotonic()
         self._changed = asyncio.Event()
         self._listeners: list[Callable[[State], None]] = []
 
+    def _replay(self) -> State:
+        """State from the newest snapshot and the events after it. Events that do not
+        follow on from the snapshot are dropped: the master re-sends them."""
+        state = self.log.snapshot() or State()
+        if self.log.start > state.last_event_applied_idx + 1:
+            logger.warning(f"history holds events from {self.log.start}, not after the snapshot; asking the master")
+            self.log.reset(state.last_event_applied_idx + 1)
+            return state
+        for indexed in self.log.since(state.last_event_applied_idx + 1):
+            state = apply(state, indexed)
+        return state
+
     @property
-    def history(self) -> EventLog:
-        """Every event this node applied, in order (read from its log on disk)."""
+    def history(self) -> History:
+        """The events this node applied since its oldest kept snapshot (read from disk)."""
         return self.log
+
+    def head(self) -> IndexedEvent | None:
+        """The newest event held (none right after taking the master's snapshot)."""
+        return self.log[-1] if len(self.log) > self.log.start else None
 
     def on_change(self, listener: Callable[[State], None]) -> None:
         self._listeners.append(listener)
@@ -59,10 +86,11 @@ class StateReplica:
                 origin, indexed = await asyncio.wait_for(self._events.get(), timeout=GAP_RETRY_SECONDS)
             except TimeoutError:
                 self._request_missing()
+                self._maybe_snapshot()
                 continue
             self.receive(indexed, origin)
 
-    def receive(self, indexed: IndexedEvent, origin: NodeId | None = None) -> None:
+    def receive(self, indexed: IndexedEvent | StateSnapshot, origin: NodeId | None = None) -> None:
         """Take an event from the master; events may arrive out of order or twice. One
         the elected master holds at an index where this node's history differs means the
         two wrote apart (each side of a partition elected its own master): this node
@@ -71,8 +99,20 @@ class StateReplica:
         heard so) are not taken."""
         if origin is not None and self.master_id is not None and origin != self.master_id:
             return
+        if isinstance(indexed, StateSnapshot):
+            self._take_snapshot(indexed.snapshot)
+            return
+        if self._starting_over:
+            if indexed.idx != 0:
+                return  # the master's snapshot, or its whole log from 0, is on its way
+            self._start_over(State())
         if indexed.idx <= self.state.last_event_applied_idx:
-            if origin is not None and origin == self.master_id and self.log[indexed.idx] != indexed:
+            if (
+                origin is not None
+                and origin == self.master_id
+                and indexed.idx >= self.log.start
+                and self.log[indexed.idx] != indexed
+            ):
                 self._adopt_from(indexed)
             return
         self._early[indexed.idx] = indexed
@@ -84,8 +124,39 @@ class StateReplica:
         if applied:
             self._notify()
 
+    def _take_snapshot(self, snapshot: State) -> None:
+        """The master's State, sent because this node needed events the master no longer
+        holds (or is starting over): taken if it is ahead of this node's."""
+        if not self._starting_over and snapshot.last_event_applied_idx <= self.state.last_event_applied_idx:
+            return
+        logger.info(f"taking the master's snapshot at event {snapshot.last_event_applied_idx}")
+        self._start_over(snapshot)
+        while (next_idx := self.state.last_event_applied_idx + 1) in self._early:
+            self._accept(self._early.pop(next_idx))
+        self._notify()
+
+    def _start_over(self, state: State) -> None:
+        self._starting_over = False
+        if state.last_event_applied_idx >= 0:
+            self.log.install_snapshot(state)
+        else:
+            self.log.install_empty()
+        self.state = state
+        self._snapshot_idx = state.last_event_applied_idx
+        self._early = {i: e for i, e in self._early.items() if i > state.last_event_applied_idx}
+
+    def _maybe_snapshot(self) -> None:
+        since = self.state.last_event_applied_idx - self._snapshot_idx
+        if since >= SNAPSHOT_EVENTS or (since > 0 and time.monotonic() - self._snapshot_time >= SNAPSHOT_SECONDS):
+            self.log.write_snapshot(self.state)
+            self._snapshot_idx = self.state.last_event_applied_idx
+            self._snapshot_time = time.monotonic()
+
     def _request_missing(self) -> None:
         """Ask the master to re-send what is missing; again if the answer did not come."""
+        if self._starting_over:
+            self._ask_since(0)
+            return
         if not self._early:
             return
         now = time.monotonic()
@@ -98,29 +169,44 @@ class StateReplica:
         since = max(self.state.last_event_applied_idx, 0)
         logger.debug(f"missing events from {since}; asking the master")
         self._gap_requested_at = self.state.last_event_applied_idx
-        self._gap_requested_time = now
+        self._ask_since(since)
+
+    def _ask_since(self, since: int) -> None:
+        self._gap_requested_time = time.monotonic()
         self.router.publish(Topic.COMMANDS, RequestEventLog(since_idx=since))
 
     def _adopt_from(self, indexed: IndexedEvent) -> None:
-        """Cut the history before `indexed`, take it, and ask the master for its whole
-        log: an earlier difference shows in the replay and cuts again. What users asked
-        for in the dropped part (cards, download orders) is asked for again, so a write
-        accepted on the losing side of a partition is not lost."""
-        dropped = list(self.log.since(indexed.idx))
+        """Cut the history before `indexed`, take it, and ask the master for its log
+        from the oldest event this node holds: an earlier difference shows in the replay
+        and cuts again. What users asked for in the dropped part (cards, download
+        orders) is asked for again, so a write accepted on the losing side of a
+        partition is not lost. A difference at the oldest event held means the
+        histories went apart before it: this node starts over from the master's
+        snapshot, asking again for the users' writes among all it held."""
+        base = self.log.snapshot(before=indexed.idx)
+        # Cut only where this node can rebuild the State just before the difference.
+        at_oldest = indexed.idx == self.log.start or (base.last_event_applied_idx + 1 if base else 0) < self.log.start
+        dropped = list(self.log.since(self.log.start if at_oldest else indexed.idx))
         again = asked_again(dropped, self.node_id)
         logger.warning(
             f"event {indexed.idx} differs from the master's: dropping {len(dropped)} event(s) "
             f"this node applied apart from it and taking the master's history; asking again for {len(again)}"
         )
-        state = State()
-        for event in self.log.since(0, indexed.idx):
-            state = apply(state, event)
-        self.state = state
-        self.log.truncate(indexed.idx)
-        self._early = {i: e for i, e in self._early.items() if i > indexed.idx}
-        self._accept(indexed)
-        self._notify()
-        self.router.publish(Topic.COMMANDS, RequestEventLog(since_idx=0))
+        if at_oldest:
+            self._starting_over = True
+            self._early = {}
+            self._ask_since(0)
+        else:
+            state = base or State()
+            for event in self.log.since(state.last_event_applied_idx + 1, indexed.idx):
+                state = apply(state, event)
+            self.state = state
+            self.log.truncate(indexed.idx)
+            self._snapshot_idx = max(self.log.snapshot_indices(), default=-1)
+            self._early = {i: e for i, e in self._early.items() if i > indexed.idx}
+            self._accept(indexed)
+            self._notify()
+            self._ask_since(self.log.start)
         for command in again:
             self.router.publish(Topic.COMMANDS, command)
 
@@ -132,6 +218,7 @@ class StateReplica:
     def _accept(self, indexed: IndexedEvent) -> None:
         self.state = apply(self.state, indexed)
         self.log.append(indexed)
+        self._maybe_snapshot()
 
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()

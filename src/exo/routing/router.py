@@ -17,13 +17,14 @@ from exo.shared.types.commands import Command
 from exo.shared.types.common import NodeId
 from exo.shared.types.election import Heartbeat
 from exo.shared.types.events import Event, IndexedEvent
+from exo.shared.types.state import StateSnapshot
 from exo.shared.types.text_generation import ChunkGenerated
 
 
 class Topic(StrEnum):
     COMMANDS = "commands"  # any node -> master
     LOCAL_EVENTS = "local_events"  # workers -> master, not yet ordered
-    GLOBAL_EVENTS = "global_events"  # master -> every node, indexed
+    GLOBAL_EVENTS = "global_events"  # master -> every node, indexed (or a whole State)
     CHUNKS = "chunks"  # runner rank 0 -> the API that asked
     ELECTION = "election"  # heartbeats and candidacies
 
@@ -31,7 +32,7 @@ class Topic(StrEnum):
 _ADAPTERS: dict[Topic, TypeAdapter[Any]] = {
     Topic.COMMANDS: TypeAdapter(Command),
     Topic.LOCAL_EVENTS: TypeAdapter(Event),
-    Topic.GLOBAL_EVENTS: TypeAdapter(IndexedEvent),
+    Topic.GLOBAL_EVENTS: TypeAdapter(IndexedEvent | StateSnapshot),
     Topic.CHUNKS: TypeAdapter(ChunkGenerated),
     Topic.ELECTION: TypeAdapter(Heartbeat),
 }

@@ -1,6 +1,7 @@
-"""A durable, append-only log of indexed events (one JSON line each), read from disk
+"""A durable, append-only file of indexed events (one JSON line each), read from disk
 when asked: a node keeps only each event's offset in memory, so a cluster left serving
-for days holds 8 bytes per event, not the event."""
+for days holds 8 bytes per event, not the event. One file holds the events from its
+`first` index on; `shared/history.py` strings such segments together with snapshots."""
 
 import os
 from array import array
@@ -19,11 +20,13 @@ class EventLog(Sequence[IndexedEvent]):
     """Opening the log checks what it holds and cuts off anything after the last intact
     event, so new appends never follow a torn line. Indexing reads the event back."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, first: int = 0) -> None:
         self.path = path
+        # The index of the file's first event; indexing counts from 0 all the same.
+        self.first = first
         path.parent.mkdir(parents=True, exist_ok=True)
         # Where each event's line starts; the file ends at `_end`.
-        self._offsets, self._end = scan_event_log(path)
+        self._offsets, self._end = scan_event_log(path, first)
         self._file = path.open("a+b")
         self._file.truncate(self._end)
         # The newest event, asked for every second (the master re-announces it).
@@ -62,13 +65,15 @@ class EventLog(Sequence[IndexedEvent]):
         end = self._offsets[index + 1] if index + 1 < len(self) else self._end
         return IndexedEvent.model_validate_json(os.pread(self._file.fileno(), end - start, start))
 
-    def append(self, event: IndexedEvent) -> None:
+    def append(self, event: IndexedEvent, durable: bool = True) -> None:
+        """Written and flushed to the OS; fsynced too when `durable` (an fsync also
+        makes every earlier line durable, so a power cut costs at most a tail of
+        non-durable events)."""
         line = event.model_dump_json().encode() + b"\n"
         self._file.write(line)
         self._file.flush()
-        # State events are rare (not per token), so an fsync each keeps the log durable
-        # at no noticeable cost.
-        os.fsync(self._file.fileno())
+        if durable:
+            os.fsync(self._file.fileno())
         self._offsets.append(self._end)
         self._end += len(line)
         self._last = event
@@ -89,7 +94,7 @@ class EventLog(Sequence[IndexedEvent]):
         self._file.close()
 
 
-def scan_event_log(path: Path) -> tuple[array, int]:
+def scan_event_log(path: Path, first: int = 0) -> tuple[array, int]:
     """The start offset of every intact event in order, and the byte length they take.
     A torn last line (power cut mid-write) is dropped with a warning; nothing after a
     gap is trusted."""
@@ -106,7 +111,7 @@ def scan_event_log(path: Path) -> tuple[array, int]:
             except (ValidationError, ValueError):
                 logger.warning(f"event log {path}: dropping unreadable line {line_number} on")
                 break
-            if event.idx != len(offsets):
+            if event.idx != first + len(offsets):
                 logger.warning(f"event log {path}: index gap at line {line_number}, stopping")
                 break
             offsets.append(intact_bytes)

@@ -60,7 +60,10 @@ def get_state(cluster: ClusterDep) -> dict[str, Any]:
 
 
 @router.get("/events")
-def get_events(cluster: ClusterDep, since: int = Query(0, ge=0)) -> list[dict[str, Any]]:
+def get_events(response: Response, cluster: ClusterDep, since: int = Query(0, ge=0)) -> list[dict[str, Any]]:
+    """The events from `since` on that this node holds. Older ones were compacted into a
+    snapshot: the X-Exo-History-Start header says from which index the node has history."""
+    response.headers["X-Exo-History-Start"] = str(cluster.history.start)
     return [event.model_dump(mode="json") for event in cluster.history[since:]]
 
 

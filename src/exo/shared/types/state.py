@@ -36,3 +36,10 @@ class State(FrozenModel):
 
 
 MAX_DELETION_REASONS = 32
+
+
+class StateSnapshot(FrozenModel):
+    """The master's whole State, sent on the events topic to a replica that asked for
+    events the master no longer holds (compacted into a snapshot) or that must start over."""
+
+    snapshot: State

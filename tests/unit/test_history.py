@@ -1,0 +1,252 @@
+"""Snapshots and compaction of a node's history (shared/history.py, routing/replica.py):
+State goes through a snapshot exactly, a snapshot plus the events after it rebuilds the
+State a full replay does, old segments and snapshots go, a replica restarts from its
+snapshot and tail, and one that needs events nobody holds any more takes the master's
+State instead."""
+
+import random
+from pathlib import Path
+
+import pytest
+
+from exo.catalog.cards import builtin_cards
+from exo.routing import replica as replica_module
+from exo.routing.replica import StateReplica
+from exo.routing.router import Router
+from exo.shared.apply import apply
+from exo.shared.history import History
+from exo.shared.models.model_cards import ModelCard
+from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId, TaskId
+from exo.shared.types.downloads import DownloadCompleted, DownloadOngoing
+from exo.shared.types.events import (
+    CustomModelCardAdded,
+    CustomModelCardDeleted,
+    DownloadOrdered,
+    Event,
+    IndexedEvent,
+    InstanceCreated,
+    InstanceDeleted,
+    InstanceRingMoved,
+    MasterElected,
+    NodeDownloadProgress,
+    NodeGatheredInfo,
+    NodeTimedOut,
+    RunnerStatusUpdated,
+    TaskCreated,
+    TaskDeleted,
+    TaskStatusUpdated,
+    TopologyEdgeDeleted,
+    TopologyEdgeUpdated,
+)
+from exo.shared.types.runners import RunnerIdle, RunnerLoading, RunnerReady, RunnerRunning
+from exo.shared.types.state import State, StateSnapshot
+from exo.shared.types.tasks import TaskStatus
+from exo.shared.types.topology import Connection
+from tests.unit.test_apply import NODE_A, NODE_B, node_info, task, two_rank_instance
+
+EVENTS = 700
+
+
+def random_history(card: ModelCard, count: int, seed: int = 7) -> list[IndexedEvent]:
+    """A long, varied sequence that a cluster could write: every event kind, on ids that
+    exist (and some that no longer do), so each apply case is taken many times."""
+    rng = random.Random(seed)
+    events: list[Event] = [MasterElected(node_id=NODE_A), NodeGatheredInfo(info=node_info(NODE_A))]
+    instances: list[str] = []
+    tasks: list[str] = []
+    while len(events) < count:
+        roll = rng.random()
+        n = len(events)
+        if roll < 0.08 or not instances:
+            instance_id = f"inst-{n}"
+            instances.append(instance_id)
+            events.append(InstanceCreated(instance=two_rank_instance(card, instance_id, (f"ra-{n}", f"rb-{n}"))))
+        elif roll < 0.12:
+            events.append(InstanceDeleted(instance_id=InstanceId(instances.pop(0)), reason=f"reason {n}"))
+        elif roll < 0.35:
+            task_id = f"task-{n}"
+            tasks.append(task_id)
+            events.append(TaskCreated(task=task(rng.choice(instances), task_id)))
+        elif roll < 0.5 and tasks:
+            status = rng.choice([TaskStatus.Running, TaskStatus.Complete, TaskStatus.Failed])
+            events.append(TaskStatusUpdated(task_id=TaskId(rng.choice(tasks)), status=status, error_message=None))
+        elif roll < 0.6 and tasks:
+            events.append(TaskDeleted(task_id=TaskId(tasks.pop(rng.randrange(len(tasks))))))
+        elif roll < 0.72:
+            instance_id = rng.choice(instances)
+            runner = RunnerId(f"r{rng.choice('ab')}-{instance_id.split('-')[1]}")
+            status = rng.choice([RunnerIdle(), RunnerLoading(), RunnerReady(), RunnerRunning(active_tasks=n % 5)])
+            events.append(RunnerStatusUpdated(runner_id=runner, status=status))
+        elif roll < 0.76:
+            events.append(NodeGatheredInfo(info=node_info(rng.choice([NODE_A, NODE_B]))))
+        elif roll < 0.78:
+            events.append(NodeTimedOut(node_id=NODE_B))
+        elif roll < 0.82:
+            model_id = f"acme/custom-{n % 3}"
+            custom = card.model_copy(update={"model_id": model_id})
+            events.append(
+                CustomModelCardAdded(card=custom)
+                if rng.random() < 0.6
+                else CustomModelCardDeleted(model_id=ModelId(model_id))
+            )
+        elif roll < 0.87:
+            progress = rng.choice(
+                [
+                    DownloadOngoing(downloaded_bytes=n, total_bytes=10 * n),
+                    DownloadCompleted(total_bytes=n, path=f"/models/{n}"),
+                ]
+            )
+            events.append(NodeDownloadProgress(node_id=NODE_B, model_id=ModelId(card.model_id), progress=progress))
+        elif roll < 0.9:
+            order = rng.choice(["start", "cancel", "delete"])
+            events.append(DownloadOrdered(node_id=NODE_B, model_id=ModelId(card.model_id), order=order, layers=None))
+        elif roll < 0.95:
+            link = Connection(source=NODE_A, sink=NODE_B, sink_ip="10.0.0.2", latency_ms=n / 100, bandwidth_mbps=9400)
+            events.append(
+                TopologyEdgeUpdated(connection=link)
+                if rng.random() < 0.7
+                else TopologyEdgeDeleted(source=NODE_A, sink=NODE_B)
+            )
+        elif roll < 0.97:
+            hosts = [f"10.0.0.1:{5000 + n}", f"10.0.0.2:{5000 + n}"]
+            events.append(InstanceRingMoved(instance_id=InstanceId(rng.choice(instances)), hosts=hosts, reason="taken"))
+        else:
+            events.append(MasterElected(node_id=rng.choice([NODE_A, NODE_B])))
+    return [IndexedEvent(idx=i, event=e) for i, e in enumerate(events)]
+
+
+def replay(history: list[IndexedEvent], state: State | None = None) -> State:
+    state = state or State()
+    for indexed in history:
+        state = apply(state, indexed)
+    return state
+
+
+@pytest.fixture
+def card() -> ModelCard:
+    return builtin_cards()["mlx-community/DeepSeek-V4-Flash"]
+
+
+@pytest.fixture
+def history(card: ModelCard) -> list[IndexedEvent]:
+    return random_history(card, EVENTS)
+
+
+def test_state_goes_through_a_snapshot_exactly(history: list[IndexedEvent]):
+    state = State()
+    kinds_seen = set()
+    for indexed in history:
+        state = apply(state, indexed)
+        kinds_seen.add(indexed.event.kind)
+        if indexed.idx % 50 == 0:
+            assert State.model_validate_json(state.model_dump_json()) == state
+    assert state.tasks and state.instances and state.runners and state.custom_model_cards
+    assert len(kinds_seen) >= 15, kinds_seen
+
+
+def test_a_snapshot_and_its_tail_rebuild_the_state_of_a_full_replay(tmp_path: Path, history: list[IndexedEvent]):
+    full = replay(history)
+    directory = tmp_path / "history"
+    log = History(directory)
+    state = State()
+    snapshot_at = {97, 250, 251, 400, 650}
+    for indexed in history:
+        log.append(indexed)
+        state = apply(state, indexed)
+        if indexed.idx in snapshot_at:
+            log.write_snapshot(state)
+            # What a node restarted here rebuilds: its newest snapshot plus the tail.
+            log.close()
+            log = History(directory)
+            newest = log.snapshot()
+            assert newest == state
+            assert replay(list(log.since(indexed.idx + 1)), newest) == state
+    log.close()
+
+    log = History(directory)
+    newest = log.snapshot()
+    assert newest is not None and newest.last_event_applied_idx == 650
+    assert replay(list(log.since(651)), newest) == full
+    # Kept: the two newest snapshots and the events after the older one, nothing else.
+    assert log.snapshot_indices() == [400, 650]
+    assert log.start == 401 and len(log) == EVENTS
+    assert list(log.since(0)) == history[401:] == log[:]
+    assert log[401] == history[401] and log[-1] == history[-1]
+    with pytest.raises(IndexError):
+        log[400]
+    names = sorted(path.name for path in directory.iterdir())
+    assert names == [
+        "events-000000000401.jsonl",
+        "events-000000000651.jsonl",
+        "snapshot-000000000400.json",
+        "snapshot-000000000650.json",
+    ]
+    log.close()
+
+
+def test_cutting_the_history_before_a_snapshot_drops_the_snapshot(tmp_path: Path, history: list[IndexedEvent]):
+    # A node whose history went apart at event 500 (a partition) keeps 0..499 only.
+    log = History(tmp_path / "history")
+    state = State()
+    for indexed in history[:600]:
+        log.append(indexed)
+        state = apply(state, indexed)
+        if indexed.idx in (300, 550):
+            log.write_snapshot(state)
+    log.truncate(500)
+    assert log.snapshot_indices() == [300] and len(log) == 500
+    from_master = IndexedEvent(idx=500, event=MasterElected(node_id=NODE_B))
+    log.append(from_master)
+    log.close()
+    log = History(tmp_path / "history")
+    assert replay(list(log.since(301)), log.snapshot()) == replay([*history[:500], from_master])
+    log.close()
+
+
+def test_a_home_from_before_snapshots_keeps_its_log(tmp_path: Path, history: list[IndexedEvent]):
+    legacy = tmp_path / "event_log.jsonl"
+    legacy.write_bytes(b"".join(e.model_dump_json().encode() + b"\n" for e in history[:40]))
+    replica = StateReplica(Router(NodeId("me")), tmp_path / "history", legacy_log=legacy)
+    assert replica.state == replay(history[:40]) and not legacy.exists()
+    replica.close()
+
+
+def test_a_replica_snapshots_every_n_events_and_restarts_from_the_newest(
+    tmp_path: Path, history: list[IndexedEvent], monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(replica_module, "SNAPSHOT_EVENTS", 100)
+    replica = StateReplica(Router(NodeId("me")), tmp_path / "history")
+    for indexed in history:
+        replica.append(indexed)
+    assert replica.state == replay(history)
+    assert replica.history.snapshot_indices() == [599, 699]
+    assert replica.head() == history[-1]
+    replica.close()
+
+    restarted = StateReplica(Router(NodeId("me")), tmp_path / "history")
+    assert restarted.state == replay(history)
+    assert restarted.history.start == 600
+    restarted.close()
+
+
+def test_a_replica_behind_the_masters_oldest_event_takes_its_snapshot(tmp_path: Path, history: list[IndexedEvent]):
+    """What the master sends a node that asks for events it compacted away."""
+    master_state = replay(history[:500])
+    behind = StateReplica(Router(NodeId("behind")), tmp_path / "behind")
+    for indexed in history[:100]:
+        behind.append(indexed)
+    behind.receive(history[520])  # early: waits for 500..519
+    behind.receive(StateSnapshot(snapshot=master_state))
+    assert behind.state == master_state
+    for indexed in history[500:]:
+        behind.receive(indexed)
+    assert behind.state == replay(history)
+    assert behind.history.snapshot_indices() == [499] and behind.history.start == 500
+    # A snapshot older than what the node holds changes nothing.
+    behind.receive(StateSnapshot(snapshot=replay(history[:300])))
+    assert behind.state == replay(history)
+    behind.close()
+
+    restarted = StateReplica(Router(NodeId("behind")), tmp_path / "behind")
+    assert restarted.state == replay(history)
+    restarted.close()
