@@ -11,6 +11,7 @@ import httpx
 import openai
 
 from tests.support.cluster import loopback_cluster, wait_converged
+from tests.support.history import agree, held_events, snapshots_taken
 from tests.support.node import TINY_MODEL_ID
 
 CUSTOM_CARD = {
@@ -25,7 +26,9 @@ CUSTOM_CARD = {
 
 
 def test_links_are_measured_and_the_cluster_survives_its_master(tmp_path, tiny_models_dir):
-    with loopback_cluster(3, tmp_path, {"EXO_MODELS_DIRS": str(tiny_models_dir)}) as nodes:
+    # Snapshots every 10 events: the survivors carry on from compacted histories.
+    env = {"EXO_MODELS_DIRS": str(tiny_models_dir), "EXO_SNAPSHOT_EVENTS": "10"}
+    with loopback_cluster(3, tmp_path, env) as nodes:
         states = wait_converged(nodes)
         master_id = states[0]["masterNodeId"]
         ids = {n.node_id(): n for n in nodes}
@@ -88,6 +91,15 @@ def test_links_are_measured_and_the_cluster_survives_its_master(tmp_path, tiny_m
             model=TINY_MODEL_ID, messages=[{"role": "user", "content": "and now?"}], max_tokens=4
         )
         assert completion.usage.completion_tokens > 0
+        # The card's event is long compacted away; both survivors took snapshots after the failover.
+        histories = [held_events(node) for node in survivors]
+        for node, held in zip(survivors, histories, strict=True):
+            state = node.state()
+            assert min(held) > 0 and max(snapshots_taken(node)) > state["lastEventAppliedIdx"] - 20, (
+                min(held),
+                snapshots_taken(node),
+            )
+        assert agree(*histories) > 0
 
 
 def test_requests_go_to_the_least_loaded_instance(tmp_path, tiny_models_dir):

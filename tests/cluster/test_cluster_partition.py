@@ -4,12 +4,15 @@ bridge). Each side elects its own master and accepts a command; after the heal t
 one master, every node's State is the same, and every node holds the same history, each
 index once. The side whose master lost the election drops the events it wrote apart and
 takes the winner's history, then asks the winner again for what its users wrote (here
-the card added to it), so that write is kept, once."""
+the card added to it), so that write is kept, once. Every node snapshots its State every
+3 events, so each side takes a snapshot while apart, and the losing side's history went
+apart at the oldest event it still holds: it starts over from the winner's State."""
 
 import subprocess
 import time
 
 from tests.support.cluster import ClusterNode, describe, netns_cluster, wait_converged
+from tests.support.history import EventTap, agree, held_events, snapshots_taken
 
 
 def card(model_id: str) -> dict:
@@ -35,13 +38,15 @@ def cut(lone: ClusterNode, others: list[ClusterNode], action: str) -> None:
 
 
 def test_a_partition_heals_into_one_master_and_one_history(tmp_path):
-    with netns_cluster(3, tmp_path) as nodes:
+    with netns_cluster(3, tmp_path, {"EXO_SNAPSHOT_EVENTS": "3"}) as nodes:
         states = wait_converged(nodes, timeout=60)
         ids = {node.node_id(): node for node in nodes}
         master = ids[states[0]["masterNodeId"]]
         lone = next(node for node in nodes if node is not master)
         rest = [node for node in nodes if node is not lone]
         lone_id = lone.node_id()
+        taps = [EventTap(node) for node in nodes]
+        split_at = max(s["lastEventAppliedIdx"] for s in states)
 
         cut(lone, rest, "add")
         try:
@@ -51,7 +56,10 @@ def test_a_partition_heals_into_one_master_and_one_history(tmp_path):
             assert lone.post("/models", json=card("acme/minority")).status_code == 200
             lone.wait_for_state(lambda s: "acme/minority" in s["customModelCards"], what="minority card")
             master.wait_for_state(lambda s: "acme/majority" in s["customModelCards"], what="majority card")
-            apart = [node.get("/events").json() for node in nodes]
+            apart = [held_events(node) for node in nodes]
+            for node in (lone, master):
+                node.wait_for_state(lambda s: s["lastEventAppliedIdx"] >= split_at + 4, what="4 events apart")
+                assert any(idx > split_at for idx in snapshots_taken(node)), (split_at, snapshots_taken(node))
         finally:
             cut(lone, rest, "del")
 
@@ -62,14 +70,12 @@ def test_a_partition_heals_into_one_master_and_one_history(tmp_path):
         assert len({s["masterNodeId"] for s in states}) == 1, describe(nodes, states)
         winner = ids[states[0]["masterNodeId"]]
         assert states[1] == states[0] and states[2] == states[0]
-        logs = [node.get("/events").json() for node in nodes]
-        shared = min(len(log) for log in logs)
-        assert all(log[:shared] == logs[0][:shared] for log in logs)
-        for log in logs:
-            assert [e["idx"] for e in log] == list(range(len(log)))  # no gap, none twice
+        logs = [held_events(node) for node in nodes]  # no gap, none twice
+        assert all(agree(log, logs[0]) > 0 for log in logs)
         # The winner's side kept its history; the other side's was replaced by it.
         winner_apart = apart[nodes.index(winner)]
-        assert logs[nodes.index(winner)][: len(winner_apart)] == winner_apart
+        winner_seen = taps[nodes.index(winner)]
+        assert all(winner_seen.events[idx] == event for idx, event in winner_apart.items())
         # Both sides' cards: the losing side asked for its own again after the heal.
         for node in nodes:
             node.wait_for_state(
@@ -78,12 +84,15 @@ def test_a_partition_heals_into_one_master_and_one_history(tmp_path):
                 what="both sides' cards",
             )
         lost = "acme/majority" if winner is lone else "acme/minority"
-        written = [e for e in winner.get("/events").json() if e["event"].get("card", {}).get("model_id") == lost]
+        written = [e for e in winner_seen.events.values() if e["event"].get("card", {}).get("model_id") == lost]
         assert len(written) == 1, written  # asked again by each node of the losing side, added once
 
         # One master takes commands now: a card added through any node is in every State once.
         assert lone.post("/models", json=card("acme/after")).status_code == 200
         for node in nodes:
             node.wait_for_state(lambda s: "acme/after" in s["customModelCards"], timeout=15, what="card after heal")
-        added = [e for e in winner.get("/events").json() if e["event"].get("card", {}).get("model_id") == "acme/after"]
+        seen = winner_seen.stop()
+        for tap in taps:
+            tap.stop()
+        added = [e for e in seen.values() if e["event"].get("card", {}).get("model_id") == "acme/after"]
         assert len(added) == 1

@@ -12,10 +12,11 @@ import pytest
 from exo.catalog.cards import builtin_cards
 from exo.routing import replica as replica_module
 from exo.routing.replica import StateReplica
-from exo.routing.router import Router
+from exo.routing.router import Router, Topic
 from exo.shared.apply import apply
 from exo.shared.history import History
 from exo.shared.models.model_cards import ModelCard
+from exo.shared.types.commands import AddCustomModelCard, RequestEventLog, StartDownload
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.downloads import DownloadCompleted, DownloadOngoing
 from exo.shared.types.events import (
@@ -250,3 +251,42 @@ def test_a_replica_behind_the_masters_oldest_event_takes_its_snapshot(tmp_path: 
     restarted = StateReplica(Router(NodeId("behind")), tmp_path / "behind")
     assert restarted.state == replay(history)
     restarted.close()
+
+
+def test_a_history_apart_before_the_oldest_event_held_starts_over_from_the_masters_state(
+    tmp_path: Path, card: ModelCard, monkeypatch: pytest.MonkeyPatch
+):
+    """A partition's losing side that compacted past the point where it went apart: it
+    cannot cut its history there, so it takes the master's State and asks again for the
+    users' writes its own State holds (here a card and its own download order, both in
+    events it no longer holds)."""
+    monkeypatch.setattr(replica_module, "SNAPSHOT_EVENTS", 50)
+    me, master = NodeId("me"), NodeId("master")
+    router = Router(me)
+    router.master_elected(me)  # commands go out at once, to the queue below
+    commands = router.subscribe(Topic.COMMANDS)
+    masters = random_history(card, 260)
+    minority = card.model_copy(update={"model_id": "acme/minority"})
+    apart: list[Event] = [NodeGatheredInfo(info=node_info(NODE_A))] * 80
+    apart[10] = CustomModelCardAdded(card=minority)
+    apart[11] = DownloadOrdered(node_id=me, model_id=ModelId(card.model_id), order="start", layers=(0, 2))
+    ours = masters[:120] + [IndexedEvent(idx=120 + i, event=e) for i, e in enumerate(apart)]
+    replica = StateReplica(router, tmp_path / "history", node_id=me)
+    for indexed in ours:
+        replica.append(indexed)
+    replica.master_id = master
+    assert replica.history.start == 150 and masters[150] != ours[150]
+
+    replica.receive(masters[150], master)
+    request = commands.get_nowait()
+    assert isinstance(request, RequestEventLog) and request.since_idx == -1
+    replica.receive(masters[200], master)  # ignored until the State comes
+    replica.receive(StateSnapshot(snapshot=replay(masters)), master)
+
+    assert replica.state == replay(masters)
+    asked = [commands.get_nowait() for _ in range(commands.qsize())]
+    # (Cards the master deleted after the split come back too: the node cannot tell.)
+    assert minority in [c.card for c in asked if isinstance(c, AddCustomModelCard)]
+    starts = [(c.node_id, c.model_id, c.layers) for c in asked if isinstance(c, StartDownload)]
+    assert starts == [(me, card.model_id, (0, 2))]
+    replica.close()

@@ -214,7 +214,7 @@ class Master:
                 self._move_ring_port(instance_id, node_id, host)
             case RequestEventLog(since_idx=since_idx):
                 if since_idx < self.replica.history.start:
-                    # Compacted away: the node takes the whole State instead.
+                    # Compacted away (or -1: a node starting over): it takes the whole State.
                     self.router.publish(Topic.GLOBAL_EVENTS, StateSnapshot(snapshot=self.state))
                     return
                 for indexed in self.replica.history.since(since_idx):

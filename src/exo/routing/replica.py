@@ -22,7 +22,8 @@ from exo.shared.types.commands import (
     RequestEventLog,
     StartDownload,
 )
-from exo.shared.types.common import NodeId
+from exo.shared.types.common import ModelId, NodeId
+from exo.shared.types.downloads import DownloadOrderEntry
 from exo.shared.types.events import CustomModelCardAdded, CustomModelCardDeleted, DownloadOrdered, IndexedEvent
 from exo.shared.types.state import State, StateSnapshot
 
@@ -103,9 +104,7 @@ class StateReplica:
             self._take_snapshot(indexed.snapshot)
             return
         if self._starting_over:
-            if indexed.idx != 0:
-                return  # the master's snapshot, or its whole log from 0, is on its way
-            self._start_over(State())
+            return  # the master's snapshot is on its way
         if indexed.idx <= self.state.last_event_applied_idx:
             if (
                 origin is not None
@@ -127,9 +126,15 @@ class StateReplica:
     def _take_snapshot(self, snapshot: State) -> None:
         """The master's State, sent because this node needed events the master no longer
         holds (or is starting over): taken if it is ahead of this node's."""
-        if not self._starting_over and snapshot.last_event_applied_idx <= self.state.last_event_applied_idx:
+        if snapshot.last_event_applied_idx < 0 or (
+            not self._starting_over and snapshot.last_event_applied_idx <= self.state.last_event_applied_idx
+        ):
             return
         logger.info(f"taking the master's snapshot at event {snapshot.last_event_applied_idx}")
+        if self._starting_over:
+            # Users' writes whose events this node no longer held show in its State.
+            for command in asked_again_from_state(self.state, snapshot, self.node_id):
+                self.router.publish(Topic.COMMANDS, command)
         self._start_over(snapshot)
         while (next_idx := self.state.last_event_applied_idx + 1) in self._early:
             self._accept(self._early.pop(next_idx))
@@ -137,10 +142,7 @@ class StateReplica:
 
     def _start_over(self, state: State) -> None:
         self._starting_over = False
-        if state.last_event_applied_idx >= 0:
-            self.log.install_snapshot(state)
-        else:
-            self.log.install_empty()
+        self.log.install_snapshot(state)
         self.state = state
         self._snapshot_idx = state.last_event_applied_idx
         self._early = {i: e for i, e in self._early.items() if i > state.last_event_applied_idx}
@@ -155,7 +157,7 @@ class StateReplica:
     def _request_missing(self) -> None:
         """Ask the master to re-send what is missing; again if the answer did not come."""
         if self._starting_over:
-            self._ask_since(0)
+            self._ask_since(-1)
             return
         if not self._early:
             return
@@ -182,7 +184,8 @@ class StateReplica:
         orders) is asked for again, so a write accepted on the losing side of a
         partition is not lost. A difference at the oldest event held means the
         histories went apart before it: this node starts over from the master's
-        snapshot, asking again for the users' writes among all it held."""
+        snapshot, asking again for the users' writes among all it held and for those
+        its State has and the master's lacks (`asked_again_from_state`)."""
         base = self.log.snapshot(before=indexed.idx)
         # Cut only where this node can rebuild the State just before the difference.
         at_oldest = indexed.idx == self.log.start or (base.last_event_applied_idx + 1 if base else 0) < self.log.start
@@ -195,7 +198,7 @@ class StateReplica:
         if at_oldest:
             self._starting_over = True
             self._early = {}
-            self._ask_since(0)
+            self._ask_since(-1)  # before any event: the master answers with its State
         else:
             state = base or State()
             for event in self.log.since(state.last_event_applied_idx + 1, indexed.idx):
@@ -251,13 +254,34 @@ def asked_again(dropped: list[IndexedEvent], node_id: NodeId | None) -> list[Com
             case DownloadOrdered(node_id=order_node, model_id=model_id, order=order, layers=layers) if (
                 order_node == node_id
             ):
-                match order:
-                    case "start":
-                        commands.append(StartDownload(node_id=order_node, model_id=model_id, layers=layers))
-                    case "cancel":
-                        commands.append(CancelDownload(node_id=order_node, model_id=model_id))
-                    case "delete":
-                        commands.append(DeleteDownload(node_id=order_node, model_id=model_id))
+                commands.append(_download_command(order_node, model_id, DownloadOrderEntry(order=order, layers=layers)))
             case _:
                 pass
     return commands
+
+
+def asked_again_from_state(ours: State, masters: State, node_id: NodeId | None) -> list[Command]:
+    """The users' writes this node's State holds and the master's does not, for a node
+    whose history went apart before the oldest event it kept: its cards, and its own
+    download orders. (A card deleted on this side is not known any more: it stays.)"""
+    commands: list[Command] = [
+        AddCustomModelCard(card=card)
+        for model_id, card in ours.custom_model_cards.items()
+        if masters.custom_model_cards.get(model_id) != card
+    ]
+    if node_id is not None:
+        theirs = masters.download_orders.get(node_id, {})
+        for model_id, entry in ours.download_orders.get(node_id, {}).items():
+            if theirs.get(model_id) != entry:
+                commands.append(_download_command(node_id, model_id, entry))
+    return commands
+
+
+def _download_command(node_id: NodeId, model_id: ModelId, entry: DownloadOrderEntry) -> Command:
+    match entry.order:
+        case "start":
+            return StartDownload(node_id=node_id, model_id=model_id, layers=entry.layers)
+        case "cancel":
+            return CancelDownload(node_id=node_id, model_id=model_id)
+        case "delete":
+            return DeleteDownload(node_id=node_id, model_id=model_id)

@@ -131,12 +131,6 @@ class History(Sequence[IndexedEvent]):
             self._segments.append(EventLog(_segment_path(self.directory, idx + 1), idx + 1))
         self._drop_before(self.snapshot_indices()[-SNAPSHOTS_KEPT:][0])
 
-    def install_empty(self) -> None:
-        """Start over from nothing (the master's whole log follows from event 0)."""
-        self.reset(0)
-        for idx in self.snapshot_indices():
-            _snapshot_path(self.directory, idx).unlink()
-
     def install_snapshot(self, state: State) -> None:
         """Start over from a snapshot (the master's): everything held before goes."""
         self.reset(state.last_event_applied_idx + 1)
