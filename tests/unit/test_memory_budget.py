@@ -39,7 +39,7 @@ def _params(index: int, length: int) -> TextGenerationTaskParams:
         prompt=prompt,
         max_tokens=ANSWER_TOKENS,
         temperature=0.0,
-        logit_bias={2: -100.0},
+        logit_bias={1: -100.0, 2: -100.0},  # both of its EOS ids
     )
 
 
