@@ -290,3 +290,41 @@ def test_a_history_apart_before_the_oldest_event_held_starts_over_from_the_maste
     starts = [(c.node_id, c.model_id, c.layers) for c in asked if isinstance(c, StartDownload)]
     assert starts == [(me, card.model_id, (0, 2))]
     replica.close()
+
+
+def test_a_requests_events_are_written_but_not_fsynced(
+    tmp_path: Path, card: ModelCard, monkeypatch: pytest.MonkeyPatch
+):
+    """Counted at the fsync call (a power cut cannot be made here): a request's task and
+    runner-state events are written and flushed without one; a card, an instance or a
+    runner's load fsync as before, and every event is read back after reopening."""
+    from exo.shared import event_log
+
+    fsyncs: list[int] = []
+    real_fsync = event_log.os.fsync
+    monkeypatch.setattr(event_log.os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd))[1])
+    replica = StateReplica(Router(NodeId("me")), tmp_path / "history")
+    instance = two_rank_instance(card, "inst-1", ("ra", "rb"))
+    setup: list[Event] = [
+        InstanceCreated(instance=instance),
+        RunnerStatusUpdated(runner_id=RunnerId("ra"), status=RunnerLoading()),
+    ]
+    one_request: list[Event] = [
+        TaskCreated(task=task("inst-1", "t1")),
+        RunnerStatusUpdated(runner_id=RunnerId("ra"), status=RunnerRunning()),
+        TaskStatusUpdated(task_id=TaskId("t1"), status=TaskStatus.Running, error_message=None),
+        TaskStatusUpdated(task_id=TaskId("t1"), status=TaskStatus.Complete, error_message=None),
+        RunnerStatusUpdated(runner_id=RunnerId("ra"), status=RunnerReady()),
+        TaskDeleted(task_id=TaskId("t1")),
+    ]
+    written = [IndexedEvent(idx=i, event=e) for i, e in enumerate(setup + one_request)]
+    for indexed in written[:2]:
+        replica.append(indexed)
+    assert len(fsyncs) == 2
+    for indexed in written[2:]:
+        replica.append(indexed)
+    assert len(fsyncs) == 2
+    replica.close()
+    reopened = StateReplica(Router(NodeId("me")), tmp_path / "history")
+    assert list(reopened.history.since(0)) == written and reopened.state == replay(written)
+    reopened.close()

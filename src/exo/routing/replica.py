@@ -12,7 +12,7 @@ from loguru import logger
 
 from exo.routing.router import Router, Topic
 from exo.shared.apply import apply
-from exo.shared.history import History
+from exo.shared.history import History, must_be_durable
 from exo.shared.types.commands import (
     AddCustomModelCard,
     CancelDownload,
@@ -214,13 +214,14 @@ class StateReplica:
             self.router.publish(Topic.COMMANDS, command)
 
     def append(self, indexed: IndexedEvent) -> None:
-        """The master's own path: durable on disk before anyone else hears of it."""
+        """The master's own path: on disk (fsynced unless it only describes a request,
+        `must_be_durable`) before anyone else hears of it."""
         self._accept(indexed)
         self._notify()
 
     def _accept(self, indexed: IndexedEvent) -> None:
         self.state = apply(self.state, indexed)
-        self.log.append(indexed)
+        self.log.append(indexed, durable=must_be_durable(indexed.event))
         self._maybe_snapshot()
 
     def _notify(self) -> None:

@@ -18,7 +18,15 @@ from loguru import logger
 from pydantic import ValidationError
 
 from exo.shared.event_log import EventLog
-from exo.shared.types.events import IndexedEvent
+from exo.shared.types.events import (
+    Event,
+    IndexedEvent,
+    RunnerStatusUpdated,
+    TaskCreated,
+    TaskDeleted,
+    TaskStatusUpdated,
+)
+from exo.shared.types.runners import SERVING_STATUSES
 from exo.shared.types.state import State
 
 SNAPSHOTS_KEPT = 2
@@ -160,6 +168,24 @@ class History(Sequence[IndexedEvent]):
     def close(self) -> None:
         for segment in self._segments:
             segment.close()
+
+
+def must_be_durable(event: Event) -> bool:
+    """Whether an event is fsynced before it counts. What describes one request (its
+    task's life, and the Ready/Running flips of its runner) is written but not fsynced:
+    six of a request's seven events, on every node. A power cut can cost a node only a
+    tail of them (the next durable event's fsync makes every line before it durable),
+    and they describe requests whose streams died with it: the master deletes the tasks
+    of sessions that are gone, workers report their runners afresh, and a history that
+    lost such a tail while the others kept it is cut and replaced like any that went
+    apart (no user's write is among them)."""
+    match event:
+        case TaskCreated() | TaskStatusUpdated() | TaskDeleted():
+            return False
+        case RunnerStatusUpdated(status=status) if isinstance(status, SERVING_STATUSES):
+            return False
+        case _:
+            return True
 
 
 def _segment_path(directory: Path, first: int) -> Path:
