@@ -103,15 +103,21 @@ def _free_port(kind: int = socket.SOCK_STREAM) -> int:
 
 
 def start_node(
-    home: Path, env_extra: dict[str, str], args: tuple[str, ...] = (), offline: bool = True
+    home: Path,
+    env_extra: dict[str, str],
+    args: tuple[str, ...] = (),
+    offline: bool = True,
+    namespace: str | None = None,
+    port: int | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A real node on 127.0.0.1 (offline unless told, no multicast, its own home and
-    namespace) and its URL."""
+    """A real node on 127.0.0.1 (offline unless told, no multicast, its own home, and
+    its own namespace unless given one) and its URL."""
     home.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = port or _free_port()
     command = [sys.executable, "-m", "exo.main", "--api-port", str(port), "--api-host", "127.0.0.1"]
     command += ["--offline"] if offline else []
-    command += ["--no-multicast", "--discovery-port", str(_free_port(socket.SOCK_DGRAM)), "--namespace", home.name]
+    command += ["--no-multicast", "--discovery-port", str(_free_port(socket.SOCK_DGRAM))]
+    command += ["--namespace", namespace or home.name]
     env = {**os.environ, "EXO_HOME": str(home), **env_extra}
     with (home / "node.log").open("wb") as log:
         process = subprocess.Popen(

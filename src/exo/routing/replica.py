@@ -29,8 +29,9 @@ from exo.shared.types.state import State, StateSnapshot
 
 GAP_RETRY_SECONDS = 1.0
 # A snapshot of State every this many events, or this often while events arrive: the
-# log then holds at most about two intervals of events (a few MB at the defaults).
-SNAPSHOT_EVENTS = int(os.environ.get("EXO_SNAPSHOT_EVENTS", "10000"))
+# log then holds at most about two intervals of events (3.5 MB at ~350 bytes an event),
+# and a restart replays at most one (about 0.2 s).
+SNAPSHOT_EVENTS = int(os.environ.get("EXO_SNAPSHOT_EVENTS", "5000"))
 SNAPSHOT_SECONDS = float(os.environ.get("EXO_SNAPSHOT_SECONDS", "600"))
 
 
