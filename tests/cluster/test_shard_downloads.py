@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import mlx.core as mx
 import openai
+import pytest
 
 from exo.devtools.tiny_models import make_tiny_llama
 from exo.shared.models.weight_files import INDEX_FILE, files_for_layers
@@ -42,12 +43,13 @@ def hub_file(name: str) -> str:
 
 
 def make_layered_model(
-    path: Path, num_key_value_heads: int = 3, file_of: Callable[[str], str] = _layer_file
+    path: Path, num_key_value_heads: int = 3, file_of: Callable[[str], str] = _layer_file, tied: bool = False
 ) -> dict[str, str]:
     """The tiny Llama re-saved as several safetensors files with an index (by default one
     per layer plus one for the tensors of no layer: embeddings, norm, head; `file_of`
     names each tensor's file); returns its weight map. Wide MLPs, so the layers, not the
-    embeddings, hold most of the bytes, as in a real model."""
+    embeddings, hold most of the bytes, as in a real model. `tied`: the head is the
+    embeddings (no lm_head)."""
     make_tiny_llama(
         path,
         hidden_size=96,
@@ -58,6 +60,10 @@ def make_layered_model(
     )
     weights = mx.load(str(path / "model.safetensors"))
     (path / "model.safetensors").unlink()
+    if tied:
+        del weights["lm_head.weight"]
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
     groups: dict[str, dict[str, mx.array]] = {}
     for name, array in weights.items():
         groups.setdefault(file_of(name), {})[name] = array
@@ -89,6 +95,16 @@ def answers(node) -> bool:
     sdk = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=120)
     completion = sdk.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     return (completion.usage.completion_tokens if completion.usage else 0) > 0
+
+
+def greedy_text(node) -> str:
+    sdk = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    prompt = "Tell me about the layers of a pipeline, each rank in turn, and what each one sends on."
+    completion = sdk.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0
+    )
+    assert completion.usage is not None and completion.usage.completion_tokens == 24
+    return completion.choices[0].message.content or ""
 
 
 def peer_speed(peer) -> float:
@@ -153,35 +169,49 @@ def test_a_three_way_pipeline_downloads_each_node_only_its_layers(fake_hub: Fake
         assert ratio < 1.3, ratio
 
 
-def test_three_fresh_nodes_take_a_three_file_checkpoint_from_the_hub_once(fake_hub: FakeHub, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_three_fresh_nodes_fetch_only_their_ranks_files_of_a_three_file_checkpoint(
+    fake_hub: FakeHub, tmp_path: Path, tied: bool
+) -> None:
     """The usual hub layout (embeddings with the first layers, final norm and head with the
-    last) placed as a 3-way pipeline on 3 nodes holding nothing, all fetching at once: the
-    hub sends each file once. The middle file comes slowly, so the node needing it reaches
-    the last file after the others hold it (they finished during its download): it takes
-    that file from them, not from the hub again."""
+    last) placed as a 3-way pipeline on 3 nodes holding nothing (issue 33 point 3): rank 0
+    fetches the first file, rank 1 the middle one, rank 2 the last one (and the first too
+    where the head is the tied embeddings: rank 0's node takes it from the hub, rank 2's
+    from rank 0's), so the hub sends the model once; the split's greedy text is one
+    node's. Before, every MLX rank computed the logits, so each fetched the embeddings'
+    and the head's files: 5 files of 3 for the untied model."""
     endpoint, root = fake_hub
-    weight_map = make_layered_model(root / "acme--layered", file_of=hub_file)
+    weight_map = make_layered_model(root / "acme--layered", file_of=hub_file, tied=tied)
     files = sorted(set(weight_map.values()))
     assert len(files) == 3
+    expected = {0: {files[0]}, 1: {files[1]}, 2: {files[2], *([files[0]] if tied else [])}}
     model_bytes = sum(f.stat().st_size for f in (root / "acme--layered").iterdir())
     with cluster_with_the_model(3, endpoint, tmp_path) as nodes:
-        fake_hub.throttle_files = {f"{files[1]}": 1.5 * MB}
         instance_id = place_ready(nodes, min_nodes=3)
-        fake_hub.throttle_files = {}
         ratio = fake_hub.body_bytes_sent / model_bytes
         state = nodes[0].state()
         assignments = state["instances"][instance_id]["shardAssignments"]
-        held = {}
+        fetched = {}
         for node in nodes:
             node_id = node.node_id()
-            shard = assignments["runnerToShard"][assignments["nodeToRunner"][node_id]]
-            layers = (shard["startLayer"], shard["endLayer"])
-            on_disk = {f.name for f in (node.home / "models").rglob("*.safetensors")}
-            assert on_disk == files_for_layers(weight_map, layers), (layers, on_disk)
-            held[shard["deviceRank"]] = sorted(on_disk)
-        print(f"3-file hub layout, 3-way pipeline on fresh nodes: hub bytes / model size = {ratio:.3f}; files {held}")
-        assert answers(nodes[0])
+            rank = assignments["runnerToShard"][assignments["nodeToRunner"][node_id]]["deviceRank"]
+            on_disk = {f.name: f.stat().st_size for f in (node.home / "models").rglob("*.safetensors")}
+            assert set(on_disk) == expected[rank], (rank, on_disk)
+            record = state["downloads"][node_id][MODEL_ID]
+            assert {name for name in record["files"] if name.endswith(".safetensors")} == expected[rank], record
+            fetched[rank] = sum(on_disk.values())
+        print(
+            f"3-file hub layout ({'tied' if tied else 'untied'}), 3-way pipeline on fresh nodes: "
+            f"hub bytes / model size = {ratio:.3f}; weight bytes per rank {dict(sorted(fetched.items()))} "
+            f"of {model_bytes}"
+        )
+        split_text = greedy_text(nodes[0])
         assert ratio <= 1.1, ratio
+
+        assert nodes[0].delete(f"/instance/{instance_id}").status_code == 200
+        nodes[0].wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=30, what="gone")
+        place_ready(nodes, min_nodes=1)
+        assert greedy_text(nodes[0]) == split_text
 
 
 def test_a_llamacpp_split_fetches_every_weight_to_rank_0_and_none_to_its_follower(

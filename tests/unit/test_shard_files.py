@@ -18,11 +18,31 @@ WEIGHT_MAP = {
 }
 
 
-def test_a_rank_takes_its_layers_files_and_the_files_of_no_layer() -> None:
+def test_a_rank_takes_its_layers_files_the_embeddings_on_the_first_and_the_head_on_the_last() -> None:
     assert files_for_layers(WEIGHT_MAP, None) == {"a.safetensors", "b.safetensors", "c.safetensors", "d.safetensors"}
-    assert files_for_layers(WEIGHT_MAP, (0, 1)) == {"a.safetensors", "d.safetensors"}
-    assert files_for_layers(WEIGHT_MAP, (1, 2)) == {"a.safetensors", "b.safetensors", "d.safetensors"}
-    assert files_for_layers(WEIGHT_MAP, (2, 4)) == {"a.safetensors", "c.safetensors", "d.safetensors"}
+    assert files_for_layers(WEIGHT_MAP, (0, 1)) == {"a.safetensors"}
+    assert files_for_layers(WEIGHT_MAP, (1, 2)) == {"b.safetensors"}
+    assert files_for_layers(WEIGHT_MAP, (2, 4)) == {"c.safetensors", "d.safetensors"}
+    assert files_for_layers(WEIGHT_MAP, (2, 2)) == set()
+
+
+def test_tied_embeddings_go_to_the_last_rank_too_and_other_tensors_to_every_rank() -> None:
+    tied = {name: file for name, file in WEIGHT_MAP.items() if not name.startswith("lm_head.")}
+    tied["model.rotary_emb.inv_freq"] = "e.safetensors"  # of no layer, and not an end: every rank
+    assert files_for_layers(tied, (1, 2)) == {"b.safetensors", "e.safetensors"}
+    assert files_for_layers(tied, (2, 4)) == {"a.safetensors", "c.safetensors", "d.safetensors", "e.safetensors"}
+
+
+def test_per_layer_embeddings_make_every_rank_embed() -> None:
+    gemma = WEIGHT_MAP | {"model.language_model.embed_tokens_per_layer.weight": "e.safetensors"}
+    assert files_for_layers(gemma, (1, 2)) == {"a.safetensors", "b.safetensors", "e.safetensors"}
+
+
+def test_the_last_rank_is_the_configs_not_the_index_with_extra_layers() -> None:
+    """DeepSeek V3's checkpoints carry a multi-token prediction layer past the model's."""
+    mtp = WEIGHT_MAP | {"model.layers.4.eh_proj.weight": "e.safetensors"}
+    assert files_for_layers(mtp, (2, 4)) == {"c.safetensors"}
+    assert files_for_layers(mtp, (2, 4), n_layers=4) == {"c.safetensors", "d.safetensors"}
 
 
 def test_a_record_for_other_layers_makes_the_worker_look_again() -> None:

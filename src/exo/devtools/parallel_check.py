@@ -19,7 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from exo.catalog.cards import card_from_model_dir
 from exo.engine.mlx.engine import prefill_chunk
 from exo.engine.mlx.loading import load_shard
-from exo.engine.mlx.parallel import connect_group
+from exo.engine.mlx.parallel import connect_group, from_last_rank
 from exo.master.placement import split_layers
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.instances import Instance, ShardAssignments, Sharding
@@ -57,32 +57,42 @@ def build_instance(model_dir: Path, sharding: Sharding, world_size: int, hosts: 
     )
 
 
-def load_rank(model_dir: Path, instance: Instance, rank: int) -> tuple[nn.Module, ShardMetadata]:
+def load_rank(
+    model_dir: Path, instance: Instance, rank: int
+) -> tuple[nn.Module, ShardMetadata, mx.distributed.Group | None]:
     shard = instance.shard_assignments.runner_to_shard[RunnerId(f"rank{rank}")]
     group = connect_group(instance, shard)
     model, _ = load_shard(model_dir, shard, group, lambda done, total: None)
-    return model, shard
+    return model, shard, group
 
 
 def run_rank(model_dir: Path, instance: Instance, rank: int, prompt: list[int], decode_steps: int) -> dict:
-    model, shard = load_rank(model_dir, instance, rank)
+    model, shard, group = load_rank(model_dir, instance, rank)
     cache = make_prompt_cache(model)
     # The prompt goes in as the engine sends it: all but the last token by the engine's
     # prefill (overlapped micro-chunks across pipeline ranks), then the last one.
     pipeline_ranks = shard.world_size if isinstance(shard, PipelineShardMetadata) else 1
     prefill_chunk(model, prompt[:-1], cache, pipeline_ranks)
-    logits = model(mx.array(prompt[-1:])[None], cache=cache)[0, -1]
-    all_logits, tokens = [logits], []
+
+    def forward(tokens: list[int]) -> mx.array:
+        logits = model(mx.array(tokens)[None], cache=cache)[0, -1]
+        # A pipeline's last rank alone computes logits; it shares them for the record.
+        return logits if pipeline_ranks == 1 or group is None else from_last_rank(logits, group)
+
+    all_logits, tokens = [forward(prompt[-1:])], []
     for _ in range(decode_steps):
         token = int(mx.argmax(all_logits[-1]))
         tokens.append(token)
-        all_logits.append(model(mx.array([[token]]), cache=cache)[0, -1])
+        all_logits.append(forward([token]))
     return {"logits": np.array(mx.stack(all_logits).astype(mx.float32)), "tokens": np.array(tokens)}
 
 
-def logits_per_schedule(model: nn.Module, prompt: list[int], schedules: dict[str, list[int]]) -> dict[str, np.ndarray]:
+def logits_per_schedule(
+    model: nn.Module, prompt: list[int], schedules: dict[str, list[int]], pipeline: mx.distributed.Group | None = None
+) -> dict[str, np.ndarray]:
     """For each schedule (the lengths of the calls, summing to the prompt's), the logits
-    [len(prompt), vocab] of a fresh cache fed the prompt in those calls."""
+    [len(prompt), vocab] of a fresh cache fed the prompt in those calls (on a pipeline's
+    ranks, the last rank's)."""
     results = {}
     for name, pieces in schedules.items():
         if sum(pieces) != len(prompt):
@@ -90,6 +100,7 @@ def logits_per_schedule(model: nn.Module, prompt: list[int], schedules: dict[str
         cache, logits, start = make_prompt_cache(model), [], 0
         for length in pieces:
             out = model(mx.array(prompt[start : start + length])[None], cache=cache)[0]
+            out = out if pipeline is None else from_last_rank(out, pipeline)
             logits.append(np.array(out.astype(mx.float32)))
             start += length
         results[name] = np.concatenate(logits)
@@ -113,8 +124,9 @@ def main() -> None:
     prompt = json.loads(args.prompt)
     result: dict  # arrays by name, for np.savez
     if args.schedules:
-        model, _ = load_rank(args.model_dir, instance, args.rank)
-        result = logits_per_schedule(model, prompt, json.loads(args.schedules))
+        model, shard, group = load_rank(args.model_dir, instance, args.rank)
+        pipeline = group if isinstance(shard, PipelineShardMetadata) else None
+        result = logits_per_schedule(model, prompt, json.loads(args.schedules), pipeline)
     else:
         result = run_rank(args.model_dir, instance, args.rank, prompt, args.decode_steps)
     np.savez(args.out, **result)

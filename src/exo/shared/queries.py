@@ -132,6 +132,11 @@ def hub_fetcher(state: State, model_id: str, file: str, weight_map: dict[str, st
     from the hub: the lowest node id. The others take it from that node while it arrives,
     so the hub sends each file once. Every node answers the same from the same State.
     `weight_map`: the model's safetensors index (None: every node needs every file)."""
+    # Which rank is the last one is the model's layer count (its card's), not the index's.
+    shards = [
+        s for instance in instances_of(state, model_id) for s in instance.shard_assignments.runner_to_shard.values()
+    ]
+    n_layers = shards[0].n_layers if shards else None
     needers = []
     for node_id, ranges in nodes_fetching(state, model_id).items():
         record = state.downloads.get(node_id, {}).get(ModelId(model_id))
@@ -140,11 +145,10 @@ def hub_fetcher(state: State, model_id: str, file: str, weight_map: dict[str, st
         if (
             weight_map is None
             or not file.endswith(".safetensors")
-            or any(file in files_for_layers(weight_map, layers) for layers in ranges)
+            or any(file in files_for_layers(weight_map, layers, n_layers) for layers in ranges)
         ):
             needers.append(node_id)
     return min(needers, default=None)
-
 
 
 def _gave_up_prefix(model_id: str) -> str:

@@ -45,8 +45,8 @@ from exo.engine.mlx.parallel import (
     broadcast_bytes,
     collective_stream,
     connect_group,
+    from_last_rank,
     inner_model,
-    set_pipeline_sharing,
 )
 from exo.engine.mlx.vision import (
     VisionEncoder,
@@ -115,25 +115,19 @@ def prefill_chunk(
     the send to the next rank is not an input of any cache, so evaluating only caches
     would never send, and the ring would wait forever.
 
-    Split by pipeline, the chunk goes through in a few micro-chunks without sharing the
-    output: while rank 1 works on one, rank 0 is already on the next."""
+    Split by pipeline, the chunk goes through in a few micro-chunks: while rank 1 works
+    on one, rank 0 is already on the next."""
     inner = inner_model(model)
     pieces = 1 if pipeline_ranks == 1 else 2 * pipeline_ranks
     size = max(1, -(-len(tokens) // pieces))
     with mx.stream(generation_stream):
-        if pipeline_ranks > 1:
-            set_pipeline_sharing(model, False)
-        try:
-            for start in range(0, len(tokens), size):
-                end = min(start + size, len(tokens))
-                if inputs is None:
-                    hidden = inner(mx.array(tokens[start:end])[None], cache=cache)
-                else:
-                    hidden = inner(cache=cache, **inputs(start, end))
-                mx.eval(hidden, [c.state for c in cache])
-        finally:
-            if pipeline_ranks > 1:
-                set_pipeline_sharing(model, True)
+        for start in range(0, len(tokens), size):
+            end = min(start + size, len(tokens))
+            if inputs is None:
+                hidden = inner(mx.array(tokens[start:end])[None], cache=cache)
+            else:
+                hidden = inner(cache=cache, **inputs(start, end))
+            mx.eval(hidden, [c.state for c in cache])
 
 
 def _without_prompt_token(processor: Any) -> Any:
@@ -466,8 +460,17 @@ class MlxEngine:
         # Penalties and bias are logits processors; the sampler sees only these.
         key = (settings.temperature, settings.top_p, settings.min_p, settings.top_k)
         if key not in self._samplers:
-            self._samplers[key] = make_sampler(temp=key[0], top_p=key[1], min_p=key[2], top_k=key[3])
+            sampler = make_sampler(temp=key[0], top_p=key[1], min_p=key[2], top_k=key[3])
+            self._samplers[key] = self._drawn_by_last_rank(sampler)
         return self._samplers[key]
+
+    def _drawn_by_last_rank(self, draw: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
+        """On a pipeline only the last rank computes logits (the others see zeros): what it
+        draws is every rank's draw, inside the forward's graph, so rank 0 embeds it next."""
+        group = self.group
+        if self.pipeline_ranks == 1 or group is None:
+            return draw
+        return lambda scores: from_last_rank(draw(scores), group)
 
     def step(self) -> list[ChunkGenerated]:
         if self.group is not None:
@@ -591,7 +594,7 @@ class MlxEngine:
             drawn: list[Sampled] = []
             # Greedy with nothing to process: every position's draw at once, one sync.
             argmaxes = (
-                cast(list[int], mx.argmax(logits, axis=-1).tolist())
+                cast(list[int], self._drawn_by_last_rank(lambda x: mx.argmax(x, axis=-1))(logits).tolist())
                 if work.greedy and not work.logits_processors and row.request.want_logprobs is None
                 else None
             )
@@ -664,6 +667,9 @@ class MlxEngine:
         if top is None:
             return None
         assert self.tokenizer is not None
+        if self.pipeline_ranks > 1 and self.group is not None:
+            with mx.stream(generation_stream):  # the forward's collectives' stream
+                logprobs = from_last_rank(logprobs, self.group)
         alternatives = []
         if top > 0:
             ids = mx.argpartition(-logprobs, kth=top - 1)[:top]

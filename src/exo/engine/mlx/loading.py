@@ -9,7 +9,7 @@ import mlx.nn as nn
 from loguru import logger
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
 import exo.engine.mlx.models  # noqa: F401  (registers exo's own model modules, DeepSeek V4, with mlx-lm)
 from exo.engine.base import LayerProgress
@@ -47,12 +47,44 @@ def holds_only_some_shards(model_dir: Path, shard: ShardMetadata) -> bool:
     if all((model_dir / name).is_file() for name in set(weight_map.values())):
         return False
     layers = (shard.start_layer, shard.end_layer) if isinstance(shard, PipelineShardMetadata) else None
-    missing = sorted(name for name in files_for_layers(weight_map, layers) if not (model_dir / name).is_file())
+    needed = files_for_layers(weight_map, layers, shard.n_layers)
+    missing = sorted(name for name in needed if not (model_dir / name).is_file())
     if missing:
         raise FileNotFoundError(
             f"{model_dir} lacks {', '.join(missing)}, needed for layers {shard.start_layer}-{shard.end_layer}"
         )
     return True
+
+
+def _recording_loaded(loaded: dict[int, mx.array]) -> Any:
+    """mlx-lm's model classes, whose load_weights notes the arrays it is given (by id, as
+    a pipeline rank may wrap a module, which renames its weights; held, so no id is reused)."""
+
+    def classes(config: dict) -> tuple[type[nn.Module], type]:
+        model_class, args_class = _get_classes(config)
+
+        class Recording(model_class):  # type: ignore[misc, valid-type]
+            def load_weights(self, weights: list[tuple[str, mx.array]], strict: bool = True) -> Any:
+                loaded.update((id(array), array) for _, array in weights)
+                return super().load_weights(weights, strict=strict)
+
+        Recording.__name__ = Recording.__qualname__ = model_class.__name__
+        return Recording, args_class
+
+    return classes
+
+
+def check_ends_loaded(model: nn.Module, loaded: dict[int, mx.array], model_dir: Path) -> None:
+    """A rank loading some of the files: every weight it kept outside its layers (the
+    embeddings, norm and head it reads, any other) was in them. Without this check a
+    weight left out by the download but read by the model would stay random."""
+    missing = sorted(
+        name
+        for name, leaf in tree_flatten(model.parameters())
+        if isinstance(leaf, mx.array) and ".layers." not in f".{name}" and id(leaf) not in loaded
+    )
+    if missing:
+        raise FileNotFoundError(f"{model_dir} lacks weights this rank reads: {', '.join(missing[:5])}")
 
 
 def set_wired_limit(weight_bytes: int) -> None:
@@ -77,7 +109,10 @@ def load_shard(
 ) -> tuple[nn.Module, TokenizerWrapper]:
     # With only this rank's shards on disk, the other layers' weights stay unloaded: their
     # layers are dropped by shard_model below before anything is evaluated.
-    model, config = load_model(model_dir, lazy=True, strict=not holds_only_some_shards(model_dir, shard))
+    some_shards, loaded = holds_only_some_shards(model_dir, shard), dict[int, mx.array]()
+    model, config = load_model(
+        model_dir, lazy=True, strict=not some_shards, get_model_classes=_recording_loaded(loaded)
+    )
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     add_family_eos_ids(tokenizer, config["model_type"])
     if vision_runs(config) and (template := processor_chat_template(model_dir)) is not None:
@@ -85,6 +120,9 @@ def load_shard(
         tokenizer._tokenizer.chat_template = template
     # Shard while the weights are still lazy, so only this rank's part is ever read.
     shard_model(model, config["model_type"], shard, group)
+    if some_shards:
+        check_ends_loaded(model, loaded, model_dir)
+    loaded.clear()
     # Still lazy: the sizes are this rank's share, nothing is read yet.
     set_wired_limit(sum(p.nbytes for _, p in tree_flatten(model.parameters()) if isinstance(p, mx.array)))
     layers = model_layers(model)

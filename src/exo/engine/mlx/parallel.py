@@ -1,9 +1,10 @@
 """Splitting a model across the ranks of an MLX distributed group (ring backend, TCP).
 
 Pipeline: each rank keeps a contiguous range of layers. The first local layer of rank
-r > 0 takes its input from rank r-1; the last local layer sends to rank r+1, and every
-rank then receives the last rank's hidden state, so all ranks compute the same logits
-and sample the same token.
+r > 0 takes its input from rank r-1; the last local layer sends to rank r+1. Only rank 0
+embeds and only the last rank applies the final norm and the head (the others hold
+neither, drop_unused_ends): it draws the tokens and shares them with the other ranks in
+one small all-sum (from_last_rank), so every rank feeds and emits the same tokens.
 
 Tensor: exo's own strategy for the architecture where it has one (engine/mlx/sharding),
 else mlx-lm's `shard(group)` (column-split in, row-split out, one all-sum per block)."""
@@ -71,33 +72,129 @@ class ReceiveFromPrevious(_LayerWrapper):
         return self.layer(x, *args, **kwargs)
 
 
-class SendToNextAndShare(_LayerWrapper):
+class SendToNext(_LayerWrapper):
     def __init__(self, layer: nn.Module, group: mx.distributed.Group, wire_dtype: mx.Dtype) -> None:
         super().__init__(layer, group)
         self.wire_dtype = wire_dtype
-        # Off while prefilling: no rank needs the prompt's output, and without the
-        # all-gather rank 0 goes on to the next chunk while rank 1 works on this one.
-        self.share = True
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> Any:
         out = self.layer(x, *args, **kwargs)
+        rank, size = self.group.rank(), self.group.size()
+        if rank == size - 1:
+            return out
         # Some blocks (Gemma 4) return (hidden, keys/values, offset); only hidden travels.
         hidden, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
-        hidden = hidden.astype(self.wire_dtype)
-        rank, size = self.group.rank(), self.group.size()
-        if rank < size - 1:
-            hidden = mx.distributed.send(hidden, rank + 1, group=self.group)
-        if self.share:
-            # Every rank contributes its output; the last rank's is the model's.
-            gathered = mx.distributed.all_gather(hidden, group=self.group)
-            hidden = gathered[-hidden.shape[0] :]
+        hidden = mx.distributed.send(hidden.astype(self.wire_dtype), rank + 1, group=self.group)
         return hidden if rest is None else (hidden, *rest)
 
 
-def set_pipeline_sharing(model: nn.Module, share: bool) -> None:
-    for layer in inner_model(model).layers:
-        if isinstance(layer, SendToNextAndShare):
-            layer.share = share
+def from_last_rank(x: mx.array, group: mx.distributed.Group) -> mx.array:
+    """The last pipeline rank's `x` on every rank (a token drawn, log-probabilities): one
+    all-sum to which the other ranks add zeros. Their zeros still depend on their own `x`,
+    so evaluating the result runs their part of the forward (the send to the next rank)."""
+    if group.rank() != group.size() - 1:
+        x = mx.depends(mx.zeros_like(x), x)
+    return mx.distributed.all_sum(x, group=group)
+
+
+class _PassThrough(nn.Module):
+    """In place of the final norm on a rank before the last."""
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        return x
+
+
+class _NoLogits(nn.Module):
+    """In place of the head on a rank before the last (as_linear: of tied embeddings):
+    zeros of the logits' shape, depending on the hidden state so that its send runs."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.depends(mx.zeros((*x.shape[:-1], self.vocab_size), dtype=x.dtype), x)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self(x)
+
+
+class _NoEmbedding(_NoLogits):
+    """In place of the embeddings on a rank after the first: its first layer reads the
+    previous rank's hidden state instead, so only the shape of what it gives counts.
+    `weight` serves the models that multiply by the tied table themselves (on a rank
+    before the last, whose logits nobody reads): zeros, broadcast."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: mx.Dtype) -> None:
+        super().__init__(vocab_size)
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+
+    def __call__(self, x: mx.array) -> mx.array:  # token ids
+        return mx.zeros((*x.shape, self.hidden_size), dtype=self.dtype)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return super().__call__(x)
+
+    @property
+    def weight(self) -> mx.array:
+        return mx.broadcast_to(mx.zeros((1, 1), dtype=self.dtype), (self.vocab_size, self.hidden_size))
+
+
+class _EmbeddingOnly(nn.Module):
+    """Rank 0's tied embeddings on a split: it embeds, and leaves the logits to the last rank."""
+
+    def __init__(self, embedding: Any) -> None:  # nn.Embedding or nn.QuantizedEmbedding
+        super().__init__()
+        self.embedding = embedding
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.embedding(x)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return mx.depends(mx.zeros((*x.shape[:-1], self.embedding.weight.shape[0]), dtype=x.dtype), x)
+
+    @property
+    def weight(self) -> mx.array:
+        return self.embedding.weight
+
+
+def _table_shape(embedding: Any) -> tuple[int, int]:
+    vocab, width = embedding.weight.shape[:2]
+    if isinstance(embedding, nn.QuantizedEmbedding):
+        width = width * 32 // embedding.bits
+    return vocab, width
+
+
+def _head_owner(model: nn.Module) -> Any:
+    for owner in (model, getattr(model, "language_model", None)):
+        if owner is not None and isinstance(getattr(owner, "lm_head", None), nn.Module):
+            return owner
+    return None
+
+
+def drop_unused_ends(model: nn.Module, inner: Any, rank: int, size: int, dtype: mx.Dtype) -> None:
+    """Leaves out what this pipeline rank never reads (shared/models/weight_files.py
+    fetches only the rest): the embeddings after rank 0 (kept on the last rank when the
+    head is the embeddings, and on every rank where each layer takes an input from them,
+    Gemma 3n / 4), the final norm and the head before the last rank. `dtype`: what the
+    missing embeddings would give (the rank's own weights')."""
+    embedding = getattr(inner, "embed_tokens", None)
+    owner = _head_owner(model)
+    tied = owner is None
+    last = rank == size - 1
+    if isinstance(embedding, nn.Embedding | nn.QuantizedEmbedding):
+        every_rank_embeds = getattr(inner, "embed_tokens_per_layer", None) is not None
+        if rank > 0 and not every_rank_embeds and not (last and tied):
+            inner.embed_tokens = _NoEmbedding(*_table_shape(embedding), dtype)
+        elif tied and not last:
+            inner.embed_tokens = _EmbeddingOnly(embedding)
+    if last:
+        return
+    if isinstance(getattr(inner, "norm", None), nn.Module):
+        inner.norm = _PassThrough()
+    if owner is not None:
+        owner.lm_head = _NoLogits(owner.lm_head.weight.shape[0])
 
 
 def inner_model(model: nn.Module) -> Any:
@@ -119,16 +216,27 @@ def apply_pipeline(
 ) -> None:
     inner = inner_model(model)
     layers = list(inner.layers)[shard.start_layer : shard.end_layer]
-    inner.layers = layers  # first, so that only this rank's weights count for the wire dtype
+    # First, so that only this rank's weights count for the wire dtype.
+    inner.layers = layers
+    drop_unused_ends(model, inner, shard.device_rank, shard.world_size, _floating_dtype(layers))
     wire_dtype = agree_on_wire_dtype(model, group)
     if shard.device_rank > 0:
         layers[0] = ReceiveFromPrevious(layers[0], group, wire_dtype)
-    layers[-1] = SendToNextAndShare(layers[-1], group, wire_dtype)
+    layers[-1] = SendToNext(layers[-1], group, wire_dtype)
     inner.layers = layers
     _fix_layer_indices(inner, shard.start_layer, shard.end_layer)
     fix_up = pipeline_fix_up(model_type)
     if fix_up is not None:
         fix_up(model, shard.start_layer, shard.end_layer)
+
+
+def _floating_dtype(layers: list[nn.Module]) -> mx.Dtype:
+    """The dtype of the first floating weight of these layers (a checkpoint's own)."""
+    for layer in layers:
+        for _, leaf in tree_flatten(layer.parameters()):
+            if isinstance(leaf, mx.array) and mx.issubdtype(leaf.dtype, mx.floating):
+                return leaf.dtype
+    return mx.float32
 
 
 # Floating dtypes by width; a mix of float16 and bfloat16 promotes to float32.

@@ -36,7 +36,7 @@ from loguru import logger
 from exo.catalog.cards import card_from_config
 from exo.catalog.model_dirs import is_complete_model_dir, model_dir_name, partial_model_dir
 from exo.shared.models.model_cards import ModelCard
-from exo.shared.models.weight_files import INDEX_FILE, files_for_layers
+from exo.shared.models.weight_files import INDEX_FILE, config_layer_count, files_for_layers
 from exo.worker.download.hub import (
     Call,
     DownloadError,
@@ -177,11 +177,23 @@ def _weight_map(index_bytes: bytes, model_id: str) -> dict[str, str]:
         raise DownloadError(f"model {model_id} has an unreadable {INDEX_FILE}: {error}") from error
 
 
+def _layer_count(config_bytes: bytes) -> int | None:
+    try:
+        return config_layer_count(json.loads(config_bytes))
+    except ValueError:
+        return None  # the runner says what is wrong with it
+
+
 def _select_weights(
-    files: list[RepoFile], weight_map: dict[str, str] | None, layers: tuple[int, int] | None, model_id: str
+    files: list[RepoFile],
+    weight_map: dict[str, str] | None,
+    layers: tuple[int, int] | None,
+    model_id: str,
+    n_layers: int | None = None,
 ) -> list[RepoFile]:
     """With an index, only the shards it names (repos sometimes also carry a consolidated
-    copy), and of those only the ones `layers` need (an empty range: none)."""
+    copy), and of those only the ones `layers` of a model of `n_layers` need (an empty
+    range: none)."""
     if layers is not None and layers[0] == layers[1]:
         return [file for file in files if not file.name.endswith(".safetensors")]
     if weight_map is None:
@@ -190,7 +202,7 @@ def _select_weights(
     missing = sorted(shard for shard in set(weight_map.values()) if shard not in names)
     if missing:
         raise DownloadError(f"model {model_id}'s {INDEX_FILE} names weight files the repo lacks: {', '.join(missing)}")
-    needed = files_for_layers(weight_map, layers)
+    needed = files_for_layers(weight_map, layers, n_layers)
     return [file for file in files if not file.name.endswith(".safetensors") or file.name in needed]
 
 
@@ -420,7 +432,14 @@ async def _download(
             await fetch(index, lambda n: None)
         weight_map = _weight_map((partial_dir / INDEX_FILE).read_bytes(), model_id)
         sources.weight_map = weight_map
-    files = _select_weights(listed, weight_map, layers, model_id)
+    n_layers = None
+    config = next((file for file in listed if file.name == "config.json"), None)
+    if weight_map is not None and layers is not None and config is not None:
+        # Which rank is the last one (it reads the final norm and the head) is the config's.
+        if not (partial_dir / config.name).is_file():
+            await fetch(config, lambda n: None)
+        n_layers = _layer_count((partial_dir / config.name).read_bytes())
+    files = _select_weights(listed, weight_map, layers, model_id, n_layers)
     # Small files first, so a missing tokenizer or config fails before the weights; and the
     # files this node takes from the hub before those it follows another node for, so no
     # node waits for one that is itself waiting.
