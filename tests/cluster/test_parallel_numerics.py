@@ -15,6 +15,7 @@ every case."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -175,6 +176,41 @@ def test_split_model_matches_single_process(
         assert result["tokens"].tolist() == ranks[0]["tokens"].tolist(), f"rank {rank} emitted other tokens than rank 0"
     assert max(diffs) <= TOLERANCE, f"max |logit diff| per rank: {diffs}"
     assert ranks[0]["tokens"].tolist() == reference["tokens"].tolist()
+    if sharding == "pipeline":
+        config = TINY_CONFIGS[arch]
+        every_rank_embeds = bool(config.get("text_config", config).get("hidden_size_per_layer_input"))
+        assert_each_rank_holds_only_its_ends(reference, ranks, every_rank_embeds)
+
+
+def _ends(result: dict[str, np.ndarray]) -> set[str]:
+    """Which of the embeddings, the final norm and the head a run holds."""
+    kinds = set()
+    for name in result["ends"].tolist():
+        if re.search(r"(^|\.)embed_tokens\.", name):
+            kinds.add("embeddings")
+        if re.match(r"(language_model\.)?lm_head\.", name):
+            kinds.add("head")
+        if re.fullmatch(r"(model\.|language_model\.model\.)?norm\.weight", name):
+            kinds.add("norm")
+    return kinds
+
+
+def assert_each_rank_holds_only_its_ends(
+    reference: dict[str, np.ndarray], ranks: list[dict[str, np.ndarray]], every_rank_embeds: bool
+) -> None:
+    """Rank 0 alone holds the embeddings (the last rank too where the head is them, every
+    rank where each layer takes an input from them), the last rank alone the final norm
+    and the head (issue 33 point 3: so a rank fetches only those files)."""
+    whole = _ends(reference)
+    tied = "head" not in whole
+    last = len(ranks) - 1
+    for rank, result in enumerate(ranks):
+        expected = set()
+        if rank == 0 or every_rank_embeds or (tied and rank == last):
+            expected.add("embeddings")
+        if rank == last:
+            expected |= {"head", "norm"}
+        assert _ends(result) == expected & whole, (rank, sorted(result["ends"].tolist()))
 
 
 def test_gemma4_split_between_kv_shared_layer_and_its_source_is_refused(model_dirs: dict[str, Path]):

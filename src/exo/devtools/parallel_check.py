@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from exo.catalog.cards import card_from_model_dir
@@ -84,7 +85,13 @@ def run_rank(model_dir: Path, instance: Instance, rank: int, prompt: list[int], 
         token = int(mx.argmax(all_logits[-1]))
         tokens.append(token)
         all_logits.append(forward([token]))
-    return {"logits": np.array(mx.stack(all_logits).astype(mx.float32)), "tokens": np.array(tokens)}
+    # The weights the rank holds outside its layers (embeddings, final norm, head, ...).
+    ends = sorted(name for name, _ in tree_flatten(model.parameters()) if ".layers." not in f".{name}")
+    return {
+        "logits": np.array(mx.stack(all_logits).astype(mx.float32)),
+        "tokens": np.array(tokens),
+        "ends": np.array(ends, dtype=str),
+    }
 
 
 def logits_per_schedule(
