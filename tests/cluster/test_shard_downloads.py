@@ -191,7 +191,7 @@ def test_three_fresh_nodes_fetch_only_their_ranks_files_of_a_three_file_checkpoi
         ratio = fake_hub.body_bytes_sent / model_bytes
         state = nodes[0].state()
         assignments = state["instances"][instance_id]["shardAssignments"]
-        fetched = {}
+        fetched, held_weights = {}, {}
         for node in nodes:
             node_id = node.node_id()
             rank = assignments["runnerToShard"][assignments["nodeToRunner"][node_id]]["deviceRank"]
@@ -200,6 +200,9 @@ def test_three_fresh_nodes_fetch_only_their_ranks_files_of_a_three_file_checkpoi
             record = state["downloads"][node_id][MODEL_ID]
             assert {name for name in record["files"] if name.endswith(".safetensors")} == expected[rank], record
             fetched[rank] = sum(on_disk.values())
+            status = state["runners"][assignments["nodeToRunner"][node_id]]
+            held_weights[rank] = (status.get("memory") or {}).get("weightsBytes")
+        print(f"weights in memory per rank (MLX active memory after warm-up): {dict(sorted(held_weights.items()))}")
         print(
             f"3-file hub layout ({'tied' if tied else 'untied'}), 3-way pipeline on fresh nodes: "
             f"hub bytes / model size = {ratio:.3f}; weight bytes per rank {dict(sorted(fetched.items()))} "
