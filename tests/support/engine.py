@@ -3,10 +3,32 @@
 from dataclasses import replace
 
 from exo.devtools.local_engine import load_engine
+from exo.shared.types.common import CommandId
+from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams, Usage
 
-__all__ = ["load_engine", "set_step_tokens"]
+__all__ = ["answers", "load_engine", "set_step_tokens", "tokens_of", "usage_of"]
 
 
 def set_step_tokens(monkeypatch, engine, tokens: int) -> None:
     """The engine's scheduler feeds at most `tokens` tokens a step (for this test)."""
     monkeypatch.setattr(engine.scheduler, "budget", replace(engine.scheduler.budget, step_tokens=tokens))
+
+
+def answers(engine, requests: dict[str, TextGenerationTaskParams]) -> dict[str, list[ChunkGenerated]]:
+    """Every request submitted at once and stepped to the end: each one's chunks."""
+    chunks: dict[str, list[ChunkGenerated]] = {name: [] for name in requests}
+    for name, params in requests.items():
+        engine.submit(CommandId(name), params)
+    while engine.has_work:
+        for chunk in engine.step():
+            chunks[chunk.command_id].append(chunk)
+    return chunks
+
+
+def tokens_of(chunks: list[ChunkGenerated]) -> list[int]:
+    return [token for chunk in chunks for token in chunk.token_ids]
+
+
+def usage_of(chunks: list[ChunkGenerated]) -> Usage:
+    [usage] = [chunk.usage for chunk in chunks if chunk.usage is not None]
+    return usage

@@ -83,9 +83,10 @@ class ExoNode:
         timeout: float = 120,
         sharding: str | None = None,
         min_nodes: int | None = None,
+        draft_model: str | None = None,
     ) -> str:
-        """Place model_id (optionally with a sharding and a node count) and wait until it
-        serves; with min_nodes, the instance must span exactly that many nodes."""
+        """Place model_id (optionally with a sharding, a node count and a draft model) and
+        wait until it serves; with min_nodes, the instance must span exactly that many nodes."""
         node_id = self.node_id()
         self.wait_for_state(lambda s: node_id in s["nodes"], what="this node in the topology")
         body: dict = {"model_id": model_id}
@@ -93,6 +94,8 @@ class ExoNode:
             body["sharding"] = sharding
         if min_nodes is not None:
             body["min_nodes"] = min_nodes
+        if draft_model is not None:
+            body["draft_model"] = draft_model
         response = self.post("/place_instance", json=body)
         assert response.status_code == 200, response.text
         instance_id = response.json()["instance_id"]

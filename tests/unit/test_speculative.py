@@ -13,9 +13,9 @@ from exo.devtools.local_engine import load_llamacpp_engine
 from exo.devtools.scripted_models import make_copy_model
 from exo.devtools.tiny_models import make_tiny_llama
 from exo.engine.speculative import PromptLookup
-from exo.shared.types.common import CommandId, ModelId
-from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, Speculative, TextGenerationTaskParams
-from tests.support.engine import load_engine
+from exo.shared.types.common import ModelId
+from exo.shared.types.text_generation import ChatMessage, Speculative, TextGenerationTaskParams
+from tests.support.engine import answers, load_engine, tokens_of, usage_of
 
 WORDS = "cluster node model token the cat runs over the quiet moon "
 ON = Speculative(method="prompt_lookup", num_draft=6)
@@ -52,25 +52,6 @@ REQUESTS = {
 }
 
 
-def _answers(engine, requests: dict[str, TextGenerationTaskParams]) -> dict[str, list[ChunkGenerated]]:
-    chunks: dict[str, list[ChunkGenerated]] = {name: [] for name in requests}
-    for name, params in requests.items():
-        engine.submit(CommandId(name), params)
-    while engine.has_work:
-        for chunk in engine.step():
-            chunks[chunk.command_id].append(chunk)
-    return chunks
-
-
-def _tokens(chunks: list[ChunkGenerated]) -> list[int]:
-    return [token for chunk in chunks for token in chunk.token_ids]
-
-
-def _usage(chunks: list[ChunkGenerated]):
-    [usage] = [chunk.usage for chunk in chunks if chunk.usage is not None]
-    return usage
-
-
 @pytest.fixture(scope="module")
 def mlx_engine(tmp_path_factory: pytest.TempPathFactory):
     engine = load_engine(make_tiny_llama(tmp_path_factory.mktemp("spec") / "tiny"))
@@ -96,17 +77,17 @@ ENGINES: dict[str, Callable[[pytest.FixtureRequest], object]] = {
 def test_speculative_answers_are_the_plain_answers(engine_name: str, request: pytest.FixtureRequest):
     engine = ENGINES[engine_name](request)
     for name, spec in REQUESTS.items():
-        plain = _answers(engine, {name: _params(**spec, speculative=None)})[name]
-        fast = _answers(engine, {name: _params(**spec, speculative=ON)})[name]
-        assert _tokens(fast) == _tokens(plain), name
+        plain = answers(engine, {name: _params(**spec, speculative=None)})[name]
+        fast = answers(engine, {name: _params(**spec, speculative=ON)})[name]
+        assert tokens_of(fast) == tokens_of(plain), name
         assert fast[-1].finish_reason == plain[-1].finish_reason
-        usage = _usage(fast)
+        usage = usage_of(fast)
         print(f"{engine_name} {name}: {usage.accepted_tokens} of {usage.proposed_tokens} proposed kept")
-        assert usage.completion_tokens == _usage(plain).completion_tokens
+        assert usage.completion_tokens == usage_of(plain).completion_tokens
         assert 0 <= usage.accepted_tokens <= usage.proposed_tokens
-        assert _usage(plain).proposed_tokens == 0
+        assert usage_of(plain).proposed_tokens == 0
     # The greedy text repeats itself: proposals were made and kept.
-    greedy = _usage(_answers(engine, {"g": _params(**REQUESTS["greedy"], speculative=ON)})["g"])
+    greedy = usage_of(answers(engine, {"g": _params(**REQUESTS["greedy"], speculative=ON)})["g"])
     assert greedy.proposed_tokens > 0 and greedy.accepted_tokens > 0
 
 
@@ -119,9 +100,9 @@ def test_speculative_and_plain_requests_batched_answer_as_each_alone(engine_name
         for name, spec in REQUESTS.items()
         if name != "sampled"
     }
-    alone = {name: _tokens(_answers(engine, {name: params})[name]) for name, params in requests.items()}
-    together = _answers(engine, requests)
-    assert {name: _tokens(chunks) for name, chunks in together.items()} == alone
+    alone = {name: tokens_of(answers(engine, {name: params})[name]) for name, params in requests.items()}
+    together = answers(engine, requests)
+    assert {name: tokens_of(chunks) for name, chunks in together.items()} == alone
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +121,7 @@ def test_sampled_proposals_are_kept_only_where_the_sampler_draws_them(engine_nam
     path, prompt = copy_model
     engine = load_engine(path) if engine_name == "mlx" else load_llamacpp_engine(path)
     try:
-        answers = {}
+        by_mode = {}
         for speculative in (None, ON):
             params = TextGenerationTaskParams(
                 model=ModelId("test/model"),
@@ -151,10 +132,10 @@ def test_sampled_proposals_are_kept_only_where_the_sampler_draws_them(engine_nam
                 seed=3,
                 speculative=speculative,
             )
-            answers[speculative is not None] = _answers(engine, {"copy": params})["copy"]
-        usage = _usage(answers[True])
+            by_mode[speculative is not None] = answers(engine, {"copy": params})["copy"]
+        usage = usage_of(by_mode[True])
         print(f"{engine_name}: {usage.accepted_tokens} of {usage.proposed_tokens} proposed kept")
-        assert _tokens(answers[True]) == _tokens(answers[False])
+        assert tokens_of(by_mode[True]) == tokens_of(by_mode[False])
         assert 0 < usage.accepted_tokens < usage.proposed_tokens
     finally:
         engine.close()

@@ -48,14 +48,26 @@ def card_or_404(cluster: ClusterPort, model_id: str) -> ModelCard:
 
 
 def planned_instance(
-    cluster: ClusterPort, model_id: str, sharding: Sharding, min_nodes: int, context_length: int | None
+    cluster: ClusterPort,
+    model_id: str,
+    sharding: Sharding,
+    min_nodes: int,
+    context_length: int | None,
+    draft_model: str | None = None,
 ) -> Instance:
-    """Where placement would put the model now, or a 400 that says why it cannot go."""
+    """Where placement would put the model now, or a 400 that says why it cannot go.
+    With its draft model (`draft_model`, else the card's), which rank 0's node fetches."""
     card = card_or_404(cluster, model_id)
+    draft = draft_model or card.draft_model
+    if draft is not None and draft not in cluster.cards():
+        raise ApiError(
+            404, f"draft model '{draft}' is not known to this cluster", code="model_not_found", param="draft_model"
+        )
     try:
-        return place_instance(cluster.state, card, sharding, min_nodes, context_length)
+        instance = place_instance(cluster.state, card, sharding, min_nodes, context_length)
     except PlacementError as error:
         raise ApiError(400, str(error), code="placement_failed") from error
+    return instance.model_copy(update={"draft_model": ModelId(draft)}) if draft is not None else instance
 
 
 def place_model(
@@ -64,8 +76,10 @@ def place_model(
     sharding: Sharding = Sharding.Pipeline,
     min_nodes: int = 1,
     context_length: int | None = None,
+    draft_model: str | None = None,
 ) -> CreateInstance:
-    command = CreateInstance(instance=planned_instance(cluster, model_id, sharding, min_nodes, context_length))
+    instance = planned_instance(cluster, model_id, sharding, min_nodes, context_length, draft_model)
+    command = CreateInstance(instance=instance)
     cluster.send_command(command)
     return command
 
@@ -79,7 +93,12 @@ def _settling(cluster: ClusterPort, state: State, error: ApiError) -> bool:
 
 
 async def place_model_when_settled(
-    cluster: ClusterPort, model_id: str, sharding: Sharding, min_nodes: int, context_length: int | None
+    cluster: ClusterPort,
+    model_id: str,
+    sharding: Sharding,
+    min_nodes: int,
+    context_length: int | None,
+    draft_model: str | None = None,
 ) -> CreateInstance:
     """place_model, but a placement that fails only because the cluster is still settling
     (this node not yet in State, links to a new node not yet measured) is tried again as
@@ -89,7 +108,7 @@ async def place_model_when_settled(
     while True:
         state = cluster.state
         try:
-            return place_model(cluster, model_id, sharding, min_nodes, context_length)
+            return place_model(cluster, model_id, sharding, min_nodes, context_length, draft_model)
         except ApiError as error:
             remaining = deadline - loop.time()
             if remaining <= 0 or not _settling(cluster, state, error):

@@ -38,6 +38,11 @@ class Engine(Protocol):
         does."""
         ...
 
+    def load_draft(self, model_dir: Path, model_id: str) -> None:
+        """Load the instance's draft model for speculative decoding (rank 0, after load).
+        An engine without draft models leaves requests that ask for one to fail at submit."""
+        ...
+
     def warm_up(self) -> int:
         """Run a short generation so the first request pays no compile cost; returns
         the number of tokens generated. Every rank calls it; rank 0 leads."""

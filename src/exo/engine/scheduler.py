@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from exo.engine import limits
 from exo.engine.answer import AnswerStream
 from exo.engine.prefix_cache import PrefixCache, SavedKV
-from exo.engine.speculative import PromptLookup
+from exo.engine.speculative import Proposer
 from exo.shared.types.common import CommandId
 from exo.shared.types.runners import RunnerMemory
 from exo.shared.types.text_generation import ChunkGenerated, GenerationStats, PrefillProgress, TokenLogprob, Usage
@@ -55,13 +55,13 @@ class Request:
     output: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     # Proposals for speculative decoding; None: plain decoding.
-    lookup: PromptLookup | None = None
+    proposer: Proposer | None = None
 
     def __post_init__(self) -> None:
         if not self.key:
             self.key = self.prompt
-        if self.lookup is not None:
-            self.lookup.extend(self.prompt)
+        if self.proposer is not None:
+            self.proposer.extend(self.prompt)
 
     @property
     def prefilling(self) -> bool:
@@ -234,8 +234,8 @@ class Scheduler:
             if not request.prefilling:
                 # The row's last token and the drafts drawn are in its KV now.
                 request.fed = row.start + drawn[request.request_id]
-                if request.lookup is not None:
-                    request.lookup.record(row.drafts, drawn[request.request_id] - 1)
+                if request.proposer is not None:
+                    request.proposer.record(row.drafts, drawn[request.request_id] - 1)
                 continue
             request.fed = row.start + len(row.tokens)
             chunks.append(
@@ -319,10 +319,10 @@ class Scheduler:
     def _drafts(self, request: Request, spare: int) -> list[int]:
         """Proposals for a speculative request: within the step's spare tokens and its
         answer's room (the KV it reserved), none where its KV cannot be cut back."""
-        if request.lookup is None or not self.backend.can_speculate(request):
+        if request.proposer is None or not self.backend.can_speculate(request):
             return []
         room = request.answer.max_tokens - request.answer.generated - 1
-        return request.lookup.propose(min(spare, room))
+        return request.proposer.propose(min(spare, room))
 
     def _chunk_length(self, chunks: list[tuple[int, int]], start: int, longest: int) -> int:
         """The longest chunk from `start`, at most `longest`, that keeps the step's chunks
@@ -352,8 +352,8 @@ class Scheduler:
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         request.output.append(result.token)
-        if request.lookup is not None:
-            request.lookup.extend([result.token])
+        if request.proposer is not None:
+            request.proposer.extend([result.token])
         chunk = request.answer.feed(result.token, result.logprob)
         if chunk.finish_reason is None:
             return chunk
@@ -375,12 +375,14 @@ class Scheduler:
         now = time.perf_counter()
         first = request.first_token_at or now
         generated = request.answer.generated
+        proposer = request.proposer
         return GenerationStats(
             prompt_tps=len(request.prompt) / max(first - request.submitted_at, 1e-9),
             generation_tps=(generated - 1) / max(now - first, 1e-9) if generated > 1 else 0.0,
             prompt_tokens=len(request.prompt),
             generation_tokens=generated,
             peak_memory_bytes=self.backend.peak_memory(),
+            acceptance_rate=proposer.accepted / proposer.proposed if proposer and proposer.proposed else None,
         )
 
 
@@ -390,6 +392,6 @@ def _usage(request: Request) -> Usage:
         completion_tokens=request.answer.generated,
         reasoning_tokens=request.answer.reasoning_tokens,
         cached_tokens=request.cached_tokens,
-        proposed_tokens=request.lookup.proposed if request.lookup else 0,
-        accepted_tokens=request.lookup.accepted if request.lookup else 0,
+        proposed_tokens=request.proposer.proposed if request.proposer else 0,
+        accepted_tokens=request.proposer.accepted if request.proposer else 0,
     )

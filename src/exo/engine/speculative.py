@@ -1,7 +1,10 @@
-"""Speculative decoding by prompt lookup: the tokens proposed are those that followed
-the most recent earlier occurrence of the sequence's last n tokens (longest n first), in
-the prompt and the answer so far. No second model: an answer that copies from its prompt
-(an edited file, a quoted passage) is proposed whole runs at a time.
+"""Speculative decoding: where proposals come from, and which a request gets.
+
+Prompt lookup proposes the tokens that followed the most recent earlier occurrence of the
+sequence's last n tokens (longest n first), in the prompt and the answer so far. No second
+model: an answer that copies from its prompt (an edited file, a quoted passage) is
+proposed whole runs at a time. A draft model (an engine's own, e.g. engine/mlx/draft.py)
+proposes its greedy continuation.
 
 The engine verifies a proposal in one forward over the last token and the proposed ones
 and keeps the proposals up to the first that the request's own sampler does not draw:
@@ -10,12 +13,35 @@ penalties and grammar), and a proposal is kept when it is that draw. So greedy a
 the plain ones, and sampled answers follow the model's distribution exactly."""
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from exo.shared.types.text_generation import Speculative
+from exo.shared.types.text_generation import Speculative, TextGenerationTaskParams
 
 # n-grams matched, longest first; a single token matches too often to be worth a verify.
 MAX_NGRAM = 3
 MIN_NGRAM = 2
+
+
+class Proposer(Protocol):
+    """One request's source of proposals, told every token of its sequence as it comes."""
+
+    proposed: int
+    accepted: int
+
+    def extend(self, tokens: list[int]) -> None: ...
+
+    def propose(self, most: int) -> list[int]:
+        """Up to `most` tokens to follow the sequence so far."""
+        ...
+
+    def record(self, proposed: int, accepted: int) -> None: ...
+
+
+def speculative_settings(params: TextGenerationTaskParams, card_default: Speculative | None) -> Speculative | None:
+    """The request's own setting; else its model card's default."""
+    if params.speculative == "off":
+        return None
+    return params.speculative if params.speculative is not None else card_default
 
 
 @dataclass

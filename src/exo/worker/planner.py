@@ -85,6 +85,8 @@ class ReportRingPortTaken:
 @dataclass(frozen=True)
 class FindModel:
     instance_id: InstanceId
+    # Its draft model (rank 0's node fetches it whole), not the model itself.
+    draft: bool = False
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,12 @@ def _plan_instance(
         # No record yet, one left by an earlier run of this node, or files for other
         # layers than this shard's: look (again).
         return None if instance.model_id in downloading else FindModel(instance.instance_id)
+    draft_model = instance.draft_model if shard.device_rank == 0 else None
+    draft_download = state.downloads.get(node_id, {}).get(draft_model) if draft_model is not None else None
+    if isinstance(draft_download, DownloadFailed):
+        return DeleteFailedInstance(instance.instance_id, f"draft model unavailable: {draft_download.error_message}")
+    if draft_model is not None and not _holds(draft_download, None):
+        return None if draft_model in downloading else FindModel(instance.instance_id, draft=True)
 
     if runner is None:
         # A node restarted while its runner was failing goes on counting from State, so
@@ -241,7 +249,7 @@ def _plan_instance(
     # so ranks move through connect -> load -> warm up together.
     steps: tuple[tuple[LifecycleInstruction, RunnerStatus], ...] = (
         (ConnectToGroup(), RunnerIdle()),
-        (LoadModel(model_dir=download.path), RunnerConnected()),
+        (LoadModel(model_dir=download.path, draft=_draft_dir(draft_model, draft_download)), RunnerConnected()),
         (StartWarmup(), RunnerLoaded()),
     )
     for instruction, ready_status in steps:
@@ -265,6 +273,13 @@ def _plan_instance(
         if task_id not in state.tasks:
             return CancelTask(runner_id, task_id)
     return None
+
+
+def _draft_dir(model_id: ModelId | None, download: DownloadProgress | None) -> tuple[str, str] | None:
+    """(model id, dir) of the draft model rank 0 loads, once its download completed."""
+    if model_id is None or not isinstance(download, DownloadCompleted):
+        return None
+    return model_id, download.path
 
 
 def _failed_peer(state: State, instance: Instance, runner_id: RunnerId, runner: LocalRunner) -> AbandonRunner | None:

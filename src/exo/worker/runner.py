@@ -172,11 +172,15 @@ class Runner:
                 self.set_status(RunnerConnecting())
                 self.engine.connect(self.instance, self.shard)
                 self.set_status(RunnerConnected())
-            case LoadModel(model_dir=model_dir):
+            case LoadModel(model_dir=model_dir, draft=draft):
                 if self.fallback is None:
                     self._load(Path(model_dir))
                 else:
                     self._load_or_fall_back(Path(model_dir), self.fallback)
+                if draft is not None:
+                    draft_id, draft_dir = draft
+                    self.engine.load_draft(Path(draft_dir), draft_id)
+                    logger.info(f"runner {self.runner_id}: loaded draft model {draft_id}")
                 self.set_status(RunnerLoaded())
             case StartWarmup():
                 self.set_status(RunnerWarmingUp())

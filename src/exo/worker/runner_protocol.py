@@ -16,6 +16,8 @@ class ConnectToGroup:
 @dataclass(frozen=True)
 class LoadModel:
     model_dir: str
+    # (model id, dir) of the instance's draft model, on rank 0.
+    draft: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)

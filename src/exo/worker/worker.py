@@ -232,11 +232,11 @@ class Worker:
     async def _execute(self, action: PlannerAction) -> None:
         state = self.replica.state
         match action:
-            case FindModel(instance_id=instance_id):
+            case FindModel(instance_id=instance_id, draft=draft):
                 instance = state.instances[instance_id]
-                model_id = instance.model_id
+                model_id = instance.draft_model if draft and instance.draft_model else instance.model_id
                 previous = state.downloads.get(self.node_id, {}).get(model_id)
-                self._find_model(model_id, layers_needed(instance, self.node_id))
+                self._find_model(model_id, None if draft else layers_needed(instance, self.node_id))
                 # Wait for our report to come back, so the planner sees it.
                 await self.replica.wait_for(
                     lambda s: s.downloads.get(self.node_id, {}).get(model_id) is not previous, timeout=10

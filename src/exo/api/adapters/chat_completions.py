@@ -102,7 +102,8 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = None
-    # exo's own: speculative decoding ({"method": "prompt_lookup", "num_draft": 8}).
+    # exo's own: speculative decoding ({"method": "prompt_lookup", "num_draft": 8}); null
+    # turns off the card's default.
     speculative: Speculative | None = None
 
     @model_validator(mode="after")
@@ -111,6 +112,15 @@ class ChatCompletionRequest(BaseModel):
         if len(stops) > 4:
             raise ValueError("stop accepts at most 4 sequences")
         return self
+
+
+def asked_speculative(request: BaseModel) -> Speculative | Literal["off"] | None:
+    """exo's `speculative` field as the request set it: absent leaves the card's default
+    (None), null turns speculation off."""
+    speculative = getattr(request, "speculative", None)
+    if speculative is None and "speculative" in request.model_fields_set:
+        return "off"
+    return speculative
 
 
 def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
@@ -138,7 +148,7 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
         response_format=(
             request.response_format.model_dump(by_alias=True, exclude_none=True) if request.response_format else None
         ),
-        speculative=request.speculative,
+        speculative=asked_speculative(request),
     )
 
 

@@ -5,7 +5,7 @@ from typing import Any, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from exo.api.adapters.chat_completions import LogitBias, usage_body
+from exo.api.adapters.chat_completions import LogitBias, asked_speculative, usage_body
 from exo.api.adapters.wire import (
     OPENAI_DONE,
     Encoder,
@@ -101,7 +101,7 @@ def to_task_params(request: CompletionRequest, prompt_text: str) -> TextGenerati
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=request.repetition_penalty,
         logit_bias=request.logit_bias,
-        speculative=request.speculative,
+        speculative=asked_speculative(request),
     )
 
 

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from exo.api.adapters.chat_completions import asked_speculative
 from exo.api.adapters.wire import Encoder, Event, keep_alive_comment, prefill_only, sse_comment, sse_typed
 from exo.shared.types.common import ModelId, new_id
 from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, Speculative, TextGenerationTaskParams
@@ -134,7 +135,7 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
         tools=_tools(request.tools),
         tool_choice=_tool_choice(request.tool_choice),
         enable_thinking=_enable_thinking(request.reasoning),
-        speculative=request.speculative,
+        speculative=asked_speculative(request),
     )
 
 

@@ -36,6 +36,8 @@ class PlaceInstanceRequest(BaseModel):
     min_nodes: int = Field(1, ge=1)
     # Room for this many tokens of KV cache; the card's context length by default.
     context_length: int | None = Field(None, ge=1)
+    # A draft model for speculative decoding; the card's draft_model by default.
+    draft_model: str | None = None
 
 
 class CreateInstanceRequest(BaseModel):
@@ -60,9 +62,11 @@ def get_state(cluster: ClusterDep) -> dict[str, Any]:
 
 
 @router.get("/events")
-def get_events(response: Response, cluster: ClusterDep, since: int = Query(0, ge=0)) -> list[dict[str, Any]]:
+async def get_events(response: Response, cluster: ClusterDep, since: int = Query(0, ge=0)) -> list[dict[str, Any]]:
     """The events from `since` on that this node holds. Older ones were compacted into a
-    snapshot: the X-Exo-History-Start header says from which index the node has history."""
+    snapshot: the X-Exo-History-Start header says from which index the node has history.
+    On the event loop, not a worker thread: the replica appends, snapshots and deletes
+    segments there, and a read in between would find a segment gone."""
     response.headers["X-Exo-History-Start"] = str(cluster.history.start)
     return [event.model_dump(mode="json") for event in cluster.history[since:]]
 
@@ -157,7 +161,9 @@ def link_probe(size: int = Query(0, ge=0, le=MAX_PROBE_BYTES)) -> Response:
 
 @router.post("/place_instance")
 async def post_place_instance(cluster: ClusterDep, body: PlaceInstanceRequest) -> InstanceCommandResponse:
-    command = await place_model_when_settled(cluster, body.model_id, body.sharding, body.min_nodes, body.context_length)
+    command = await place_model_when_settled(
+        cluster, body.model_id, body.sharding, body.min_nodes, body.context_length, body.draft_model
+    )
     return InstanceCommandResponse(
         message=f"placing {body.model_id}", command_id=command.command_id, instance_id=command.instance.instance_id
     )

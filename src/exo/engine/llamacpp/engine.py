@@ -48,13 +48,13 @@ from exo.engine.parsing.output import think_markers_for, tool_format_for, vocabu
 from exo.engine.prefix_cache import SavedKV
 from exo.engine.request_settings import logprobs_wanted, max_tokens_of, sampling_settings
 from exo.engine.scheduler import Budget, Request, Row, Sampled, Scheduler
-from exo.engine.speculative import PromptLookup
+from exo.engine.speculative import PromptLookup, speculative_settings
 from exo.shared.models.families import family_facts
 from exo.shared.types.common import CommandId
 from exo.shared.types.instances import Instance
 from exo.shared.types.runners import RunnerMemory
 from exo.shared.types.shards import ShardMetadata
-from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams
+from exo.shared.types.text_generation import ChunkGenerated, Speculative, TextGenerationTaskParams
 
 # KV cells of the context (all sequences together): the card's context, at most this.
 MAX_CONTEXT = int(os.environ.get("EXO_LLAMACPP_CONTEXT", "32768"))
@@ -90,6 +90,7 @@ class LlamaCppEngine:
         self.tool_format: str | None = None
         self.think_markers: tuple[str, str] | None = None
         self.card_defaults: dict[str, float | int] = {}
+        self.card_speculative: Speculative | None = None
         self.rank = 0
         self.endpoints: list[str] = []  # the followers' RPC servers (rank 0)
         self.follower_layers: list[int] = []  # their layer counts, in rank order
@@ -138,6 +139,7 @@ class LlamaCppEngine:
         detected = vocabulary_think_markers(self.tokenizer.get_vocab())
         self.think_markers = think_markers_for(self.model_type, detected)
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
+        self.card_speculative = shard.model_card.speculative
         self.reasoning_dialect = shard.model_card.reasoning_dialect.value
         gguf = gguf_for(model_dir, gguf_cache_dir(), on_converted)
         n_layers = shard.n_layers
@@ -222,8 +224,11 @@ class LlamaCppEngine:
             max_tokens_of(params),
         )
         work = _Work(self._sampler(params, grammar))
-        lookup = PromptLookup(params.speculative) if params.speculative is not None else None
-        self.scheduler.add(Request(request_id, prompt, answer, logprobs_wanted(params), work, lookup=lookup))
+        settings = speculative_settings(params, self.card_speculative)
+        if settings is not None and settings.method == "draft":
+            raise ValueError("the llama.cpp engine drafts by prompt lookup only (speculative method 'prompt_lookup')")
+        proposer = PromptLookup(settings) if settings is not None else None
+        self.scheduler.add(Request(request_id, prompt, answer, logprobs_wanted(params), work, proposer=proposer))
 
     def _sampler(self, params: TextGenerationTaskParams, grammar: str | None) -> Sampler:
         assert self.tokenizer is not None and self.model is not None
@@ -405,6 +410,10 @@ class LlamaCppEngine:
     @property
     def memory(self) -> RunnerMemory | None:
         return self.scheduler.memory() if self.scheduler is not None else None
+
+    def load_draft(self, model_dir: Path, model_id: str) -> None:
+        # Requests asking for the draft get a clear error at submit; prompt lookup works.
+        logger.warning(f"the llama.cpp engine drafts by prompt lookup only: draft model {model_id} not loaded")
 
     def close(self) -> None:
         self._open.clear()

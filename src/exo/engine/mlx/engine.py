@@ -32,6 +32,7 @@ from exo.engine.detokenizer import StreamingDetokenizer
 from exo.engine.mlx.batching import DecodeBatch, Joiner, can_batch, prefill_together
 from exo.engine.mlx.chat_template import detected_think_markers, encode_prompt
 from exo.engine.mlx.constrained import GrammarProcessor, grammar_for, grammar_tokenizer
+from exo.engine.mlx.draft import DraftModel, DraftProposals, SharedProposals, load_draft
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.memory import (
     activation_bytes,
@@ -61,7 +62,7 @@ from exo.engine.parsing.output import tool_format_for
 from exo.engine.prefix_cache import SavedKV
 from exo.engine.request_settings import logprobs_wanted, max_tokens_of, sampling_settings
 from exo.engine.scheduler import Budget, Request, Row, Sampled, Scheduler
-from exo.engine.speculative import PromptLookup
+from exo.engine.speculative import PromptLookup, Proposer, speculative_settings
 from exo.shared.types.common import CommandId, FrozenModel
 from exo.shared.types.instances import Instance
 from exo.shared.types.runners import RunnerMemory
@@ -69,6 +70,7 @@ from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
 from exo.shared.types.text_generation import (
     ChunkGenerated,
     ImageInput,
+    Speculative,
     TextGenerationTaskParams,
     TokenLogprob,
     TopLogprob,
@@ -173,6 +175,8 @@ class MlxEngine:
         self.group: mx.distributed.Group | None = None
         self.config: dict[str, Any] = {}
         self.card_defaults: dict[str, float | int] = {}
+        self.card_speculative: Speculative | None = None
+        self.draft: DraftModel | None = None
         self.model_type = ""
         self.reasoning_dialect = "none"
         self.tool_format: str | None = None
@@ -223,6 +227,7 @@ class MlxEngine:
         self.image_attention = install_image_attention(model_dir, inner_model(self.model), first_layer)
         self.pipeline_ranks = shard.world_size if isinstance(shard, PipelineShardMetadata) else 1
         self.card_defaults = shard.model_card.sampling_defaults.model_dump(exclude_none=True)
+        self.card_speculative = shard.model_card.speculative
         self.reasoning_dialect = shard.model_card.reasoning_dialect.value
         # Room for the warm-up; warm_up measures what a token of KV costs and sets the budget.
         step = limits.step_tokens(on_gpu=mx.default_device() == mx.gpu)
@@ -378,13 +383,38 @@ class MlxEngine:
         )
         processors = self._logits_processors(params, max_tokens, op.grammar)
         greedy = sampling_settings(params, self.card_defaults, len(self.tokenizer._tokenizer)).temperature == 0
-        speculative = params.speculative is not None
-        work = _Work(self._sampler(params), processors, vision, speculative=speculative, greedy=greedy)
+        proposer = self._proposer(params)
+        work = _Work(self._sampler(params), processors, vision, speculative=proposer is not None, greedy=greedy)
         key = vision.key if vision is not None else []
-        lookup = PromptLookup(params.speculative) if params.speculative is not None else None
         self._scheduler().add(
-            Request(op.request_id, prompt, answer, logprobs_wanted(params), work, key, lookup=lookup)
+            Request(op.request_id, prompt, answer, logprobs_wanted(params), work, key, proposer=proposer)
         )
+
+    def _proposer(self, params: TextGenerationTaskParams) -> Proposer | None:
+        """Where the request's proposals come from, if it decodes speculatively. A draft
+        model's run on rank 0 alone, which sends them to the other ranks."""
+        settings = speculative_settings(params, self.card_speculative)
+        if settings is None or settings.method == "prompt_lookup":
+            return PromptLookup(settings) if settings is not None else None
+        if self.group is not None and self.is_follower:
+            return SharedProposals(None, self.group, self.collective_stream)
+        if self.draft is None:
+            raise ValueError(
+                "speculative method 'draft' needs a draft model: this instance was placed without one "
+                "(name it in the placement's draft_model or on the model's card)"
+            )
+        if settings.draft_model not in (None, self.draft.model_id):
+            raise ValueError(
+                f"this instance drafts with {self.draft.model_id}, not {settings.draft_model}: "
+                "place the model again with that draft_model"
+            )
+        proposals = DraftProposals(settings, self.draft)
+        return proposals if self.group is None else SharedProposals(proposals, self.group, self.collective_stream)
+
+    def load_draft(self, model_dir: Path, model_id: str) -> None:
+        """The instance's draft model, on rank 0 (the other ranks receive its proposals)."""
+        assert self.tokenizer is not None, "load() first"
+        self.draft = load_draft(model_dir, model_id, self.tokenizer)
 
     def _detokenizer(self) -> Any:
         """The answer's text as the tokenizer decodes its tokens (the llama.cpp engine's

@@ -5,6 +5,7 @@ catalog's business (exo.catalog).
 """
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -56,6 +57,17 @@ class SamplingDefaults(FrozenModel):
     non_thinking: "SamplingDefaults | None" = None
 
 
+class Speculative(FrozenModel):
+    """Speculative decoding: proposals verified several at a time, the answer unchanged.
+    "prompt_lookup": the tokens that followed the last few tokens' earlier occurrence in
+    the prompt or the answer; "draft": a smaller model's greedy continuation (the
+    instance's draft model, which `draft_model` may name to be sure of it)."""
+
+    method: Literal["prompt_lookup", "draft"] = "prompt_lookup"
+    num_draft: int = Field(default=8, ge=1, le=32)  # tokens proposed per verify, at most
+    draft_model: str | None = None
+
+
 class VisionCard(BaseModel):
     # Upstream vision sections differ per model family, so unknown keys are kept.
     model_config = ConfigDict(frozen=True, extra="allow")
@@ -84,6 +96,12 @@ class ModelCard(FrozenModel):
     # (engine/mlx/vision.py), so placement adds them to its share, not every rank's.
     vision_bytes: int = Field(0, ge=0)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    # Speculative decoding for requests that do not say (the Claude and Ollama APIs never
+    # do); None: plain decoding.
+    speculative: Speculative | None = None
+    # A smaller model with this one's tokenizer, placed with it on rank 0's node, that
+    # proposes tokens for speculative decoding by "draft".
+    draft_model: str | None = None
     vision: VisionCard | None = None
     # Layers from this index to the last must sit on one pipeline rank. Gemma 4 E2B/E4B
     # end in layers that read the keys and values of the last layers before them rather

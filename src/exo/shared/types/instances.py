@@ -41,6 +41,9 @@ class Instance(FrozenModel):
     engine: EngineKind = EngineKind.Mlx
     # Why it runs MLX on nodes that run llama.cpp (placement's reason); None otherwise.
     engine_reason: str | None = None
+    # A smaller model with the same tokenizer that rank 0 loads beside its shard to
+    # propose tokens for speculative decoding (the card's draft_model, or the placement's).
+    draft_model: ModelId | None = None
 
     @property
     def model_id(self) -> ModelId:

@@ -5,6 +5,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from exo.shared.models.model_cards import Speculative as Speculative  # the request field's type
 from exo.shared.types.common import CommandId, FrozenModel, ModelId, NodeId
 
 FinishReason = Literal["stop", "length", "tool_calls", "error", "cancelled"]
@@ -41,15 +42,6 @@ class ImageInput(FrozenModel):
         return base64.b64decode(self.data_base64)
 
 
-class Speculative(FrozenModel):
-    """Speculative decoding for one request: proposals verified several at a time, the
-    answer unchanged. "prompt_lookup": the tokens that followed the last few tokens'
-    earlier occurrence in the prompt or the answer."""
-
-    method: Literal["prompt_lookup"] = "prompt_lookup"
-    num_draft: int = Field(default=8, ge=1, le=32)  # tokens proposed per verify, at most
-
-
 class TextGenerationTaskParams(FrozenModel):
     model: ModelId
     messages: list[ChatMessage]
@@ -83,8 +75,9 @@ class TextGenerationTaskParams(FrozenModel):
     response_format: dict[str, Any] | None = None
     # The images the messages' image parts name, each once.
     images: list[ImageInput] = []
-    # Speculative decoding (exo's own field); None: plain decoding.
-    speculative: Speculative | None = None
+    # Speculative decoding (exo's own field): None, the model card's default; "off",
+    # plain decoding whatever the card says.
+    speculative: Speculative | Literal["off"] | None = None
 
 
 def image_hashes_in_order(params: TextGenerationTaskParams) -> list[str]:
@@ -121,6 +114,9 @@ class GenerationStats(FrozenModel):
     generation_tokens: int
     # The most memory MLX held at once in the runner that answered, since it started.
     peak_memory_bytes: int = 0
+    # Speculative decoding: of the tokens proposed, the share the model kept (None: none
+    # proposed).
+    acceptance_rate: float | None = None
 
 
 class ToolCall(FrozenModel):
