@@ -12,15 +12,16 @@ import httpx
 import openai
 import pytest
 
+from exo.devtools.tiny_models import make_tiny_llama
 from tests.support.cluster import loopback_cluster, netns_cluster, wait_converged
 from tests.support.node import TINY_MODEL_ID
 
 PROMPT = [{"role": "user", "content": "Hello there, tell me about clusters"}]
 
 
-def place_and_wait(node, sharding: str, min_nodes: int) -> str:
+def place_and_wait(node, sharding: str, min_nodes: int, **extra) -> str:
     response = node.post(
-        "/place_instance", json={"model_id": TINY_MODEL_ID, "sharding": sharding, "min_nodes": min_nodes}
+        "/place_instance", json={"model_id": TINY_MODEL_ID, "sharding": sharding, "min_nodes": min_nodes, **extra}
     )
     assert response.status_code == 200, response.text
     instance_id = response.json()["instance_id"]
@@ -368,3 +369,24 @@ def test_prompt_lookup_on_a_two_node_pipeline_gives_the_plain_text(engine, tmp_p
         fast = sdk.chat.completions.create(**asked, extra_body={"speculative": {"num_draft": 6}})
         assert fast.choices[0].message.content == plain.choices[0].message.content
         assert fast.usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
+def test_a_draft_model_on_a_two_node_pipeline_gives_the_plain_text(tmp_path):
+    """The draft runs on rank 0 alone and rank 0 sends each proposal to rank 1, which
+    verifies it in lockstep. A draft of other random weights (same tokenizer) has most
+    proposals refused, so both ranks cut their caches back at every verify."""
+    models = tmp_path / "models"
+    make_tiny_llama(models / TINY_MODEL_ID.replace("/", "--"), num_hidden_layers=4)
+    make_tiny_llama(models / "acme--draft", num_hidden_layers=1, seed=5)
+    with loopback_cluster(2, tmp_path, {"EXO_MODELS_DIRS": str(models)}, args=("--engine", "mlx")) as nodes:
+        wait_converged(nodes)
+        nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 2, timeout=30, what="links measured")
+        place_and_wait(nodes[0], "Pipeline", 2, draft_model="acme/draft")
+        sdk = openai.OpenAI(base_url=f"{nodes[1].url}/v1", api_key="unused", max_retries=0, timeout=120)
+        asked = {"model": TINY_MODEL_ID, "messages": PROMPT, "max_tokens": 48, "temperature": 0}
+        plain = sdk.chat.completions.create(**asked)
+        drafted = sdk.chat.completions.create(**asked, extra_body={"speculative": {"method": "draft", "num_draft": 4}})
+        assert drafted.choices[0].message.content == plain.choices[0].message.content
+        details = drafted.usage.completion_tokens_details
+        print(f"kept {details.accepted_prediction_tokens}, not kept {details.rejected_prediction_tokens}")
+        assert details.rejected_prediction_tokens > 0

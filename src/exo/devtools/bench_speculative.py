@@ -8,6 +8,8 @@ it back (a scripted model whose greedy answer is that text: the best case, where
 proposal is right, standing in for an edited file written back). Each round runs the
 same greedy request without and with speculation; the text must be identical. Prints
 decode tok/s (first token to last), the ratio, and the acceptance rate. With
+`--draft-layers L`, MLX also drafts with the copy model cut to L layers (the draft a
+distilled pair stands for: it agrees with the target, at a fraction of its cost). With
 `--concurrency N`, also N streams at once, plain and then half of them speculative:
 every text must equal its solo run; prints the aggregate decode tok/s of both."""
 
@@ -16,7 +18,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from exo.devtools.local_engine import load_engine, load_llamacpp_engine
 from exo.devtools.scripted_models import make_copy_model
@@ -89,23 +91,35 @@ def bench_streams(name: str, engine: Any, prompt: list[int], max_tokens: int, st
     )
 
 
-def bench(name: str, engine: Any, prompt: list[int], max_tokens: int, rounds: int, num_draft: int) -> float:
+def bench(
+    name: str,
+    engine: Any,
+    prompt: list[int],
+    max_tokens: int,
+    rounds: int,
+    num_draft: int,
+    method: Literal["prompt_lookup", "draft"],
+) -> float:
+    label = method.replace("_", " ")
     plain_tps, fast_tps = [], []
     for round_index in range(rounds):
         plain = decode(engine, prompt, max_tokens, None)
-        fast = decode(engine, prompt, max_tokens, Speculative(num_draft=num_draft))
+        fast = decode(engine, prompt, max_tokens, Speculative(method=method, num_draft=num_draft))
         if fast["tokens"] != plain["tokens"]:
             raise SystemExit(f"{name}: the speculative text differs from the plain one")
         plain_tps.append(plain["tps"])
         fast_tps.append(fast["tps"])
         rate = fast["accepted"] / max(fast["proposed"], 1)
         print(
-            f"{name} round {round_index + 1}: plain {plain['tps']:.1f} tok/s, prompt lookup {fast['tps']:.1f} tok/s "
+            f"{name} round {round_index + 1}: plain {plain['tps']:.1f} tok/s, {label} {fast['tps']:.1f} tok/s "
             f"({fast['tps'] / plain['tps']:.2f}x), {fast['accepted']} of {fast['proposed']} proposed kept "
             f"({rate:.0%}), {len(plain['tokens'])} tokens, identical text"
         )
     ratio = statistics.median(fast_tps) / statistics.median(plain_tps)
-    print(f"{name}: median {statistics.median(fast_tps):.1f} vs {statistics.median(plain_tps):.1f} tok/s = {ratio:.2f}x")
+    print(
+        f"{name} {label}: median {statistics.median(fast_tps):.1f} vs {statistics.median(plain_tps):.1f} tok/s "
+        f"= {ratio:.2f}x"
+    )
     return ratio
 
 
@@ -119,17 +133,29 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=0, help="also this many streams at once")
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=0,
+        help="MLX also drafts with the copy model at this many layers (its other layers are the identity)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = Path(scratch) / "copy"
         overrides = {"num_hidden_layers": args.layers, "intermediate_size": args.intermediate}
         prompt = make_copy_model(model_dir, args.length, config_overrides=overrides)
         print(f"copy model: {args.length}-token text, {args.layers} layers, MLP {args.intermediate} wide")
+        if args.draft_layers:
+            draft_overrides = {"num_hidden_layers": args.draft_layers, "intermediate_size": args.intermediate}
+            make_copy_model(Path(scratch) / "draft", args.length, config_overrides=draft_overrides)
         loaders = {"mlx": load_engine, "llamacpp": load_llamacpp_engine}
         for name in args.engines.split(","):
             engine = loaders[name](model_dir)
             try:
-                bench(name, engine, prompt, args.max_tokens, args.rounds, args.num_draft)
+                bench(name, engine, prompt, args.max_tokens, args.rounds, args.num_draft, "prompt_lookup")
+                if args.draft_layers and name == "mlx":
+                    engine.load_draft(Path(scratch) / "draft", "draft")
+                    bench(name, engine, prompt, args.max_tokens, args.rounds, args.num_draft, "draft")
                 if args.concurrency:
                     bench_streams(name, engine, prompt, args.max_tokens, args.concurrency, args.num_draft)
             finally:
