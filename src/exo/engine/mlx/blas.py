@@ -9,7 +9,8 @@ scope, so libmlx.so's calls bind to them; MLX itself is unchanged.
 
 The price: OpenBLAS picks kernels by shape, so a row's result can differ in the last
 bits between a batch and a single row (netlib's sums in one order for every shape).
-EXO_MLX_BLAS=bundled keeps MLX's own."""
+EXO_MLX_BLAS=bundled keeps MLX's own; OPENBLAS_NUM_THREADS sets its threads (one by
+default)."""
 
 import ctypes
 import os
@@ -40,8 +41,13 @@ def use_optimized_blas() -> str | None:
     if path is None:
         return None
     try:
-        ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
+        library = ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
     except OSError as error:  # e.g. no libgfortran on the machine
         logger.warning(f"MLX keeps its reference BLAS: could not load OpenBLAS ({error})")
         return None
+    if "OPENBLAS_NUM_THREADS" not in os.environ:
+        # One thread: OpenBLAS's workers spin between calls, and beside MLX's threads, a
+        # node's other runners or a busy machine they starve everyone (a one-row
+        # 2048x2048 matmul took 182 ms with 2 threads on 2 loaded cores, 3 ms with one).
+        library.openblas_set_num_threads(1)
     return path
