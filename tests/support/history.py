@@ -48,7 +48,9 @@ class EventTap:
     def _poll(self) -> None:
         while not self._stop.wait(self.period):
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                self.events.update({event["idx"]: event for event in self.node.get("/events").json()})
+                response = self.node.get("/events")
+                response.raise_for_status()
+                self.events.update({event["idx"]: event for event in response.json()})
 
     def stop(self) -> dict[int, dict]:
         """Stops polling, after a last poll; the events seen."""

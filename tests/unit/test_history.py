@@ -40,7 +40,7 @@ from exo.shared.types.events import (
     TopologyEdgeUpdated,
 )
 from exo.shared.types.runners import RunnerIdle, RunnerLoading, RunnerReady, RunnerRunning
-from exo.shared.types.state import State, StateSnapshot
+from exo.shared.types.state import State, StateDigest, StateSnapshot, state_digest
 from exo.shared.types.tasks import TaskStatus
 from exo.shared.types.topology import Connection
 from tests.unit.test_apply import NODE_A, NODE_B, node_info, task, two_rank_instance
@@ -328,3 +328,43 @@ def test_a_requests_events_are_written_but_not_fsynced(
     reopened = StateReplica(Router(NodeId("me")), tmp_path / "history")
     assert list(reopened.history.since(0)) == written and reopened.state == replay(written)
     reopened.close()
+
+
+def test_a_node_whose_state_differs_from_the_masters_digest_starts_over(tmp_path: Path, card: ModelCard):
+    """Written apart at the same indexes, with the events this node still holds equal to
+    the master's (or not held at all): the digest of State the master sends after its
+    newest event tells, and so does holding events past it."""
+    me, master = NodeId("me"), NodeId("master")
+    router = Router(me)
+    router.master_elected(me)
+    commands = router.subscribe(Topic.COMMANDS)
+    masters = random_history(card, 100)
+    only_here = card.model_copy(update={"model_id": "acme/only-here"})
+    ours = [*masters[:60], IndexedEvent(idx=60, event=CustomModelCardAdded(card=only_here)), *masters[61:]]
+    replica = StateReplica(router, tmp_path / "history", node_id=me)
+    for indexed in ours:
+        replica.append(indexed)
+    replica.master_id = master
+    truth = replay(masters)
+
+    replica.receive(StateDigest(idx=98, digest=state_digest(replay(masters[:99]))), master)  # behind us
+    request = commands.get_nowait()
+    assert isinstance(request, RequestEventLog) and request.since_idx == -1
+    replica.receive(StateSnapshot(snapshot=truth), master)
+    assert replica.state == truth
+    while not commands.empty():
+        commands.get_nowait()  # the users' writes among what it held, asked for again
+    replica.receive(StateDigest(idx=99, digest=state_digest(truth)), master)
+    assert commands.empty()  # the same State: nothing to do
+    replica.close()
+
+    other = StateReplica(Router(me), tmp_path / "other", node_id=me)
+    other.router.master_elected(me)
+    asked = other.router.subscribe(Topic.COMMANDS)
+    for indexed in ours:
+        other.append(indexed)
+    other.master_id = master
+    other.receive(StateDigest(idx=99, digest=state_digest(truth)), master)  # same index, other State
+    request = asked.get_nowait()
+    assert isinstance(request, RequestEventLog) and request.since_idx == -1
+    other.close()

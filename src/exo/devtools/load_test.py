@@ -63,6 +63,9 @@ class LoadResult:
     tasks_left: int
     runners: list[str]
     runner_processes: int
+    # The events of State's snapshots on disk after the run, and the history's bytes.
+    snapshots: list[int] = field(default_factory=list)
+    history_bytes: int = 0
 
     @property
     def memory_growth(self) -> float:
@@ -92,7 +95,8 @@ class LoadResult:
             f"memory {self.memory_before / 2**20:.0f} MiB idle, {self.memory_loaded / 2**20:.0f} MiB a quarter in, "
             f"{self.memory_after / 2**20:.0f} MiB after (x{self.memory_growth:.2f} from idle, "
             f"x{self.memory_growth_under_load:.2f} under load); after: {self.tasks_left} tasks, runners {self.runners}, "
-            f"{self.runner_processes} runner process(es)"
+            f"{self.runner_processes} runner process(es); history {self.history_bytes / 2**20:.2f} MB, "
+            f"snapshots at events {self.snapshots}"
         )
 
 
@@ -219,10 +223,11 @@ def _one_stream(http: httpx.Client, url: str, body: dict) -> tuple[int, bool]:
     return tokens, finished
 
 
-def run_load(clients: int, seconds: float, scratch: Path) -> LoadResult:
+def run_load(clients: int, seconds: float, scratch: Path, env_extra: dict[str, str] | None = None) -> LoadResult:
     models_dir = scratch / "models"
     make_tiny_llama(models_dir / MODEL_ID.replace("/", "--"))
-    process, url = start_node(scratch / f"load-{os.getpid()}", {"EXO_MODELS_DIRS": str(models_dir)})
+    home = scratch / f"load-{os.getpid()}"
+    process, url = start_node(home, {"EXO_MODELS_DIRS": str(models_dir), **(env_extra or {})})
     try:
         place_and_wait(url, MODEL_ID)
         # A short warm-up, so the baseline holds what a first request allocates once.
@@ -262,6 +267,8 @@ def run_load(clients: int, seconds: float, scratch: Path) -> LoadResult:
             tasks_left=len(state["tasks"]),
             runners=[r["kind"] for r in state["runners"].values()],
             runner_processes=runner_processes,
+            snapshots=sorted(int(path.stem.split("-")[1]) for path in (home / "data" / "history").glob("snapshot-*")),
+            history_bytes=sum(path.stat().st_size for path in (home / "data" / "history").iterdir()),
         )
     finally:
         stop_node(process)

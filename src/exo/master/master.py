@@ -56,7 +56,7 @@ from exo.shared.types.events import (
     TaskStatusUpdated,
 )
 from exo.shared.types.instances import Instance
-from exo.shared.types.state import State, StateSnapshot
+from exo.shared.types.state import State, StateDigest, StateSnapshot, state_digest
 from exo.shared.types.tasks import (
     FINISHED_TASK_STATUSES,
     TaskStatus,
@@ -134,6 +134,9 @@ class Master:
             # notices it is behind and asks for the rest.
             if (head := self.replica.head()) is not None:
                 self.router.publish(Topic.GLOBAL_EVENTS, head)
+            # And its State's digest there, which a node that wrote apart cannot match.
+            digest = StateDigest(idx=self.state.last_event_applied_idx, digest=state_digest(self.state))
+            self.router.publish(Topic.GLOBAL_EVENTS, digest)
             self._drop_lost_nodes()
             self._drop_orphaned_tasks()
 

@@ -25,7 +25,7 @@ from exo.shared.types.commands import (
 from exo.shared.types.common import ModelId, NodeId
 from exo.shared.types.downloads import DownloadOrderEntry
 from exo.shared.types.events import CustomModelCardAdded, CustomModelCardDeleted, DownloadOrdered, IndexedEvent
-from exo.shared.types.state import State, StateSnapshot
+from exo.shared.types.state import State, StateDigest, StateSnapshot, state_digest
 
 GAP_RETRY_SECONDS = 1.0
 # A snapshot of State every this many events, or this often while events arrive: the
@@ -92,7 +92,7 @@ class StateReplica:
                 continue
             self.receive(indexed, origin)
 
-    def receive(self, indexed: IndexedEvent | StateSnapshot, origin: NodeId | None = None) -> None:
+    def receive(self, indexed: IndexedEvent | StateSnapshot | StateDigest, origin: NodeId | None = None) -> None:
         """Take an event from the master; events may arrive out of order or twice. One
         the elected master holds at an index where this node's history differs means the
         two wrote apart (each side of a partition elected its own master): this node
@@ -104,15 +104,18 @@ class StateReplica:
         if isinstance(indexed, StateSnapshot):
             self._take_snapshot(indexed.snapshot)
             return
+        if isinstance(indexed, StateDigest):
+            # The master's own replica is ahead of what it published (it writes first).
+            if origin != self.node_id:
+                self._check_digest(indexed)
+            return
         if self._starting_over:
-            return  # the master's snapshot is on its way
+            self._request_missing()  # the master's State is on its way; asked again if not
+            return
         if indexed.idx <= self.state.last_event_applied_idx:
-            if (
-                origin is not None
-                and origin == self.master_id
-                and indexed.idx >= self.log.start
-                and self.log[indexed.idx] != indexed
-            ):
+            if origin is None or origin != self.master_id:
+                return
+            if indexed.idx >= self.log.start and self.log[indexed.idx] != indexed:
                 self._adopt_from(indexed)
             return
         self._early[indexed.idx] = indexed
@@ -123,6 +126,31 @@ class StateReplica:
         self._request_missing()
         if applied:
             self._notify()
+
+    def _check_digest(self, digest: StateDigest) -> None:
+        """The master's State, digested, as of its newest event (sent every second, after
+        that event): a node holding a different State at that index, or events past it,
+        wrote apart from the master where comparing events did not show it (each side
+        wrote the same event at the indexes both still hold, or this node no longer
+        holds the ones that differ)."""
+        if self._starting_over or digest.idx > self.state.last_event_applied_idx:
+            return  # behind: the events, or the master's State, are on their way
+        if digest.idx < self.state.last_event_applied_idx:
+            self._start_over_from_master(f"this node holds events past the master's newest, {digest.idx}")
+        elif digest.digest != state_digest(self.state):
+            self._start_over_from_master(f"this node's State at event {digest.idx} differs from the master's")
+
+    def _start_over_from_master(self, why: str) -> None:
+        """This node's history went apart from the master's where it cannot cut it: ask
+        for the master's State (since before any event) and take nothing else until it
+        comes; the users' writes among the events it held are asked for again."""
+        again = asked_again(list(self.log.since(self.log.start)), self.node_id)
+        logger.warning(f"{why}: starting over from the master's State; asking again for {len(again)}")
+        self._starting_over = True
+        self._early = {}
+        self._ask_since(-1)
+        for command in again:
+            self.router.publish(Topic.COMMANDS, command)
 
     def _take_snapshot(self, snapshot: State) -> None:
         """The master's State, sent because this node needed events the master no longer
@@ -158,7 +186,8 @@ class StateReplica:
     def _request_missing(self) -> None:
         """Ask the master to re-send what is missing; again if the answer did not come."""
         if self._starting_over:
-            self._ask_since(-1)
+            if time.monotonic() - self._gap_requested_time >= GAP_RETRY_SECONDS:
+                self._ask_since(-1)
             return
         if not self._early:
             return
@@ -189,28 +218,25 @@ class StateReplica:
         its State has and the master's lacks (`asked_again_from_state`)."""
         base = self.log.snapshot(before=indexed.idx)
         # Cut only where this node can rebuild the State just before the difference.
-        at_oldest = indexed.idx == self.log.start or (base.last_event_applied_idx + 1 if base else 0) < self.log.start
-        dropped = list(self.log.since(self.log.start if at_oldest else indexed.idx))
+        if indexed.idx == self.log.start or (base.last_event_applied_idx + 1 if base else 0) < self.log.start:
+            self._start_over_from_master(f"event {indexed.idx}, this node's oldest, differs from the master's")
+            return
+        dropped = list(self.log.since(indexed.idx))
         again = asked_again(dropped, self.node_id)
         logger.warning(
             f"event {indexed.idx} differs from the master's: dropping {len(dropped)} event(s) "
             f"this node applied apart from it and taking the master's history; asking again for {len(again)}"
         )
-        if at_oldest:
-            self._starting_over = True
-            self._early = {}
-            self._ask_since(-1)  # before any event: the master answers with its State
-        else:
-            state = base or State()
-            for event in self.log.since(state.last_event_applied_idx + 1, indexed.idx):
-                state = apply(state, event)
-            self.state = state
-            self.log.truncate(indexed.idx)
-            self._snapshot_idx = max(self.log.snapshot_indices(), default=-1)
-            self._early = {i: e for i, e in self._early.items() if i > indexed.idx}
-            self._accept(indexed)
-            self._notify()
-            self._ask_since(self.log.start)
+        state = base or State()
+        for event in self.log.since(state.last_event_applied_idx + 1, indexed.idx):
+            state = apply(state, event)
+        self.state = state
+        self.log.truncate(indexed.idx)
+        self._snapshot_idx = max(self.log.snapshot_indices(), default=-1)
+        self._early = {i: e for i, e in self._early.items() if i > indexed.idx}
+        self._accept(indexed)
+        self._notify()
+        self._ask_since(self.log.start)
         for command in again:
             self.router.publish(Topic.COMMANDS, command)
 

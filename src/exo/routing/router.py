@@ -17,7 +17,7 @@ from exo.shared.types.commands import Command
 from exo.shared.types.common import NodeId
 from exo.shared.types.election import Heartbeat
 from exo.shared.types.events import Event, IndexedEvent
-from exo.shared.types.state import StateSnapshot
+from exo.shared.types.state import StateDigest, StateSnapshot
 from exo.shared.types.text_generation import ChunkGenerated
 
 
@@ -32,7 +32,7 @@ class Topic(StrEnum):
 _ADAPTERS: dict[Topic, TypeAdapter[Any]] = {
     Topic.COMMANDS: TypeAdapter(Command),
     Topic.LOCAL_EVENTS: TypeAdapter(Event),
-    Topic.GLOBAL_EVENTS: TypeAdapter(IndexedEvent | StateSnapshot),
+    Topic.GLOBAL_EVENTS: TypeAdapter(IndexedEvent | StateSnapshot | StateDigest),
     Topic.CHUNKS: TypeAdapter(ChunkGenerated),
     Topic.ELECTION: TypeAdapter(Heartbeat),
 }

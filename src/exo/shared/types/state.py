@@ -1,5 +1,7 @@
 """The cluster's shared picture. Every node rebuilds it by applying the same events."""
 
+import hashlib
+
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.common import (
     FrozenModel,
@@ -43,3 +45,16 @@ class StateSnapshot(FrozenModel):
     events the master no longer holds (compacted into a snapshot) or that must start over."""
 
     snapshot: State
+
+
+class StateDigest(FrozenModel):
+    """The master's State as of event idx, digested (`state_digest`): sent every second
+    after its newest event, so a node that wrote apart from it notices even where the
+    events it still holds match the master's."""
+
+    idx: int
+    digest: str
+
+
+def state_digest(state: State) -> str:
+    return hashlib.sha256(state.model_dump_json().encode()).hexdigest()
