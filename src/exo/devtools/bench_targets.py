@@ -179,7 +179,9 @@ class ServerTarget:
 
     def open(self) -> None:
         port = free_port()
-        args = [sys.executable, "-m", "mlx_lm.server", "--model", str(self.model_dir), "--host", "127.0.0.1"]
+        # Started as exo's runners start MLX: on OpenBLAS (engine/mlx/blas.py).
+        launch = "import exo.engine.mlx, runpy; runpy.run_module('mlx_lm.server', run_name='__main__')"
+        args = [sys.executable, "-c", launch, "--model", str(self.model_dir), "--host", "127.0.0.1"]
         args += ["--port", str(port), "--decode-concurrency", str(self.concurrency)]
         log = self.scratch / "mlx_lm_server.log"
         with log.open("wb") as out:
