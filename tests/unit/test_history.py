@@ -368,3 +368,32 @@ def test_a_node_whose_state_differs_from_the_masters_digest_starts_over(tmp_path
     request = asked.get_nowait()
     assert isinstance(request, RequestEventLog) and request.since_idx == -1
     other.close()
+
+
+def test_events_past_the_masters_newest_are_dropped_when_the_state_before_them_is_its(
+    tmp_path: Path, card: ModelCard, monkeypatch: pytest.MonkeyPatch
+):
+    """A dead master's last events, which its successor never got: the node cuts them
+    (and asks again for the card among them) instead of starting over."""
+    monkeypatch.setattr(replica_module, "SNAPSHOT_EVENTS", 30)
+    me, master = NodeId("me"), NodeId("master")
+    router = Router(me)
+    router.master_elected(me)
+    commands = router.subscribe(Topic.COMMANDS)
+    masters = random_history(card, 100)
+    late_card = card.model_copy(update={"model_id": "acme/late"})
+    extra = [IndexedEvent(idx=100, event=CustomModelCardAdded(card=late_card))]
+    extra += [IndexedEvent(idx=i, event=NodeGatheredInfo(info=node_info(NODE_B))) for i in range(101, 105)]
+    replica = StateReplica(router, tmp_path / "history", node_id=me)
+    for indexed in masters + extra:
+        replica.append(indexed)
+    replica.master_id = master
+
+    replica.receive(StateDigest(idx=99, digest=state_digest(replay(masters))), master)
+    assert replica.state == replay(masters) and len(replica.history) == 100
+    asked = [commands.get_nowait() for _ in range(commands.qsize())]
+    assert [type(c).__name__ for c in asked] == ["AddCustomModelCard"]
+    replica.close()
+    reopened = StateReplica(Router(me), tmp_path / "history", node_id=me)
+    assert reopened.state == replay(masters)
+    reopened.close()

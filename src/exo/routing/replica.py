@@ -136,9 +136,34 @@ class StateReplica:
         if self._starting_over or digest.idx > self.state.last_event_applied_idx:
             return  # behind: the events, or the master's State, are on their way
         if digest.idx < self.state.last_event_applied_idx:
-            self._start_over_from_master(f"this node holds events past the master's newest, {digest.idx}")
+            # Events past the master's newest (a dead master's last, which its successor
+            # never got): dropped, if the State before them is the master's.
+            state = self._state_before(digest.idx + 1)
+            if state is not None and state_digest(state) == digest.digest:
+                dropped = list(self.log.since(digest.idx + 1))
+                logger.warning(f"dropping {len(dropped)} event(s) past the master's newest, {digest.idx}")
+                self.state = state
+                self.log.truncate(digest.idx + 1)
+                self._snapshot_idx = max(self.log.snapshot_indices(), default=-1)
+                self._early = {}
+                self._notify()
+                for command in asked_again(dropped, self.node_id):
+                    self.router.publish(Topic.COMMANDS, command)
+            else:
+                self._start_over_from_master(f"this node's State at the master's newest event {digest.idx} differs")
         elif digest.digest != state_digest(self.state):
             self._start_over_from_master(f"this node's State at event {digest.idx} differs from the master's")
+
+    def _state_before(self, idx: int) -> State | None:
+        """This node's State before event `idx`, from a snapshot and the events after it;
+        None when it no longer holds what that takes."""
+        base = self.log.snapshot(before=idx)
+        state = base or State()
+        if state.last_event_applied_idx + 1 < self.log.start or idx < self.log.start:
+            return None
+        for event in self.log.since(state.last_event_applied_idx + 1, idx):
+            state = apply(state, event)
+        return state
 
     def _start_over_from_master(self, why: str) -> None:
         """This node's history went apart from the master's where it cannot cut it: ask
@@ -216,9 +241,9 @@ class StateReplica:
         histories went apart before it: this node starts over from the master's
         snapshot, asking again for the users' writes among all it held and for those
         its State has and the master's lacks (`asked_again_from_state`)."""
-        base = self.log.snapshot(before=indexed.idx)
         # Cut only where this node can rebuild the State just before the difference.
-        if indexed.idx == self.log.start or (base.last_event_applied_idx + 1 if base else 0) < self.log.start:
+        state = self._state_before(indexed.idx) if indexed.idx > self.log.start else None
+        if state is None:
             self._start_over_from_master(f"event {indexed.idx}, this node's oldest, differs from the master's")
             return
         dropped = list(self.log.since(indexed.idx))
@@ -227,9 +252,6 @@ class StateReplica:
             f"event {indexed.idx} differs from the master's: dropping {len(dropped)} event(s) "
             f"this node applied apart from it and taking the master's history; asking again for {len(again)}"
         )
-        state = base or State()
-        for event in self.log.since(state.last_event_applied_idx + 1, indexed.idx):
-            state = apply(state, event)
         self.state = state
         self.log.truncate(indexed.idx)
         self._snapshot_idx = max(self.log.snapshot_indices(), default=-1)
