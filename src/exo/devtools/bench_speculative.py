@@ -8,7 +8,7 @@ it back (a scripted model whose greedy answer is that text: the best case, where
 proposal is right, standing in for an edited file written back). Each round runs the
 same greedy request without and with speculation; the text must be identical. Prints
 decode tok/s (first token to last), the ratio, and the acceptance rate. With
-`--draft-layers L`, MLX also drafts with the copy model cut to L layers (the draft a
+`--draft-layers L`, each engine also drafts with the copy model cut to L layers (the draft a
 distilled pair stands for: it agrees with the target, at a fraction of its cost). With
 `--concurrency N`, also N streams at once, plain and then half of them speculative:
 every text must equal its solo run; prints the aggregate decode tok/s of both."""
@@ -137,7 +137,7 @@ def main() -> None:
         "--draft-layers",
         type=int,
         default=0,
-        help="MLX also drafts with the copy model at this many layers (its other layers are the identity)",
+        help="each engine also drafts with the copy model at this many layers (its other layers are the identity)",
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
@@ -153,7 +153,7 @@ def main() -> None:
             engine = loaders[name](model_dir)
             try:
                 bench(name, engine, prompt, args.max_tokens, args.rounds, args.num_draft, "prompt_lookup")
-                if args.draft_layers and name == "mlx":
+                if args.draft_layers:
                     engine.load_draft(Path(scratch) / "draft", "draft")
                     bench(name, engine, prompt, args.max_tokens, args.rounds, args.num_draft, "draft")
                 if args.concurrency:

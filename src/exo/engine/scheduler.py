@@ -366,6 +366,8 @@ class Scheduler:
             # An answer that ended on a draft leaves the drafts after it in the KV.
             request.fed = min(request.fed, len(request.prompt) + len(request.output) - 1)
         self._reserved -= request.reserved
+        if request.proposer is not None:
+            request.proposer.close()
         saved = self.backend.release(request)
         if saved is not None and saved.length > 0:
             self.prefix_cache.remember((request.key + request.output)[: saved.length], saved)

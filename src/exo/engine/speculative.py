@@ -36,12 +36,41 @@ class Proposer(Protocol):
 
     def record(self, proposed: int, accepted: int) -> None: ...
 
+    def close(self) -> None:
+        """The request ended: what it held (a draft model's cache or sequence) is freed."""
+        ...
+
 
 def speculative_settings(params: TextGenerationTaskParams, card_default: Speculative | None) -> Speculative | None:
     """The request's own setting; else its model card's default."""
     if params.speculative == "off":
         return None
     return params.speculative if params.speculative is not None else card_default
+
+
+def guesses_kept(guesses: list[int], tokens: list[int]) -> int:
+    """How many of a draft's guesses, fed to its cache past the sequence it had, the
+    sequence's `tokens` since then begin with."""
+    kept = 0
+    for guess, token in zip(guesses, tokens, strict=False):
+        if guess != token:
+            break
+        kept += 1
+    return kept
+
+
+def check_draft(settings: Speculative, draft_id: str | None) -> None:
+    """A ValueError unless the instance has a draft model, the one the request names if any."""
+    if draft_id is None:
+        raise ValueError(
+            "speculative method 'draft' needs a draft model: this instance was placed without one "
+            "(name it in the placement's draft_model or on the model's card)"
+        )
+    if settings.draft_model not in (None, draft_id):
+        raise ValueError(
+            f"this instance drafts with {draft_id}, not {settings.draft_model}: "
+            "place the model again with that draft_model"
+        )
 
 
 @dataclass
@@ -80,3 +109,6 @@ class PromptLookup:
     def record(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
         self.accepted += accepted
+
+    def close(self) -> None:
+        pass

@@ -40,6 +40,7 @@ from exo.engine.constrained import GrammarMask, grammar_for, grammar_tokenizer
 from exo.engine.detokenizer import StreamingDetokenizer
 from exo.engine.encoding.chat_prompt import encode_prompt
 from exo.engine.llamacpp import rpc
+from exo.engine.llamacpp.draft import DraftModel, DraftProposals, load_draft
 from exo.engine.llamacpp.gguf_convert import gguf_for
 from exo.engine.llamacpp.native import Context, Model, SequenceState
 from exo.engine.llamacpp.sampling import Sampler, token_logprob
@@ -48,7 +49,7 @@ from exo.engine.parsing.output import think_markers_for, tool_format_for, vocabu
 from exo.engine.prefix_cache import SavedKV
 from exo.engine.request_settings import logprobs_wanted, max_tokens_of, sampling_settings
 from exo.engine.scheduler import Budget, Request, Row, Sampled, Scheduler
-from exo.engine.speculative import PromptLookup, speculative_settings
+from exo.engine.speculative import PromptLookup, Proposer, check_draft, speculative_settings
 from exo.shared.models.families import family_facts
 from exo.shared.types.common import CommandId
 from exo.shared.types.instances import Instance
@@ -81,6 +82,7 @@ class LlamaCppEngine:
     def __init__(self) -> None:
         self.model: Model | None = None
         self.context: Context | None = None
+        self.draft: DraftModel | None = None
         self.scheduler: Scheduler | None = None
         # A transformers fast tokenizer (its stubs type too little to say so).
         self.tokenizer: Any = None
@@ -224,11 +226,17 @@ class LlamaCppEngine:
             max_tokens_of(params),
         )
         work = _Work(self._sampler(params, grammar))
-        settings = speculative_settings(params, self.card_speculative)
-        if settings is not None and settings.method == "draft":
-            raise ValueError("the llama.cpp engine drafts by prompt lookup only (speculative method 'prompt_lookup')")
-        proposer = PromptLookup(settings) if settings is not None else None
+        proposer = self._proposer(params)
         self.scheduler.add(Request(request_id, prompt, answer, logprobs_wanted(params), work, proposer=proposer))
+
+    def _proposer(self, params: TextGenerationTaskParams) -> Proposer | None:
+        """Where the request's proposals come from, if it decodes speculatively."""
+        settings = speculative_settings(params, self.card_speculative)
+        if settings is None or settings.method == "prompt_lookup":
+            return PromptLookup(settings) if settings is not None else None
+        check_draft(settings, self.draft.model_id if self.draft is not None else None)
+        assert self.draft is not None
+        return DraftProposals(settings, self.draft)
 
     def _sampler(self, params: TextGenerationTaskParams, grammar: str | None) -> Sampler:
         assert self.tokenizer is not None and self.model is not None
@@ -412,11 +420,25 @@ class LlamaCppEngine:
         return self.scheduler.memory() if self.scheduler is not None else None
 
     def load_draft(self, model_dir: Path, model_id: str) -> None:
-        # Requests asking for the draft get a clear error at submit; prompt lookup works.
-        logger.warning(f"the llama.cpp engine drafts by prompt lookup only: draft model {model_id} not loaded")
+        """The instance's draft model, on rank 0, in a context of its own as large as the
+        target's largest (the running requests' sequences and their guesses fit)."""
+        assert self.tokenizer is not None, "load() first"
+        config = json.loads((model_dir / "config.json").read_text())
+        self.draft = load_draft(
+            model_dir,
+            model_id,
+            self.tokenizer,
+            n_ctx=self.max_context + limits.MAX_BATCH * CONTEXT_STEP,
+            sequences=limits.MAX_BATCH,
+            batch_tokens=self.step_tokens,
+            f32_kv=keeps_f32_cache(config),
+        )
 
     def close(self) -> None:
         self._open.clear()
+        if self.draft is not None:
+            self.draft.close()
+            self.draft = None
         if self.context is not None:
             self.context.close()
         if self.model is not None:

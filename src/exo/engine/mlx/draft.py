@@ -19,7 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
 from exo.engine.mlx.parallel import broadcast_bytes
-from exo.engine.speculative import Proposer
+from exo.engine.speculative import Proposer, guesses_kept
 from exo.shared.types.text_generation import Speculative
 
 # The prompt goes into the draft's cache this many tokens a forward.
@@ -67,6 +67,9 @@ class DraftProposals:
         self.proposed += proposed
         self.accepted += accepted
 
+    def close(self) -> None:
+        self.cache = []  # the finished request's draft KV goes now, not when its Request does
+
     def propose(self, most: int) -> list[int]:
         most = min(most, self.settings.num_draft)
         if most <= 0:
@@ -95,11 +98,7 @@ class DraftProposals:
 
     def _drop_rejected_guesses(self) -> None:
         """Keep the guesses the sequence kept; cut the cache back past the rest."""
-        kept = 0
-        for guess, token in zip(self.guesses, self.tokens[self.confirmed :], strict=False):
-            if guess != token:
-                break
-            kept += 1
+        kept = guesses_kept(self.guesses, self.tokens[self.confirmed :])
         rejected = len(self.guesses) - kept
         self.confirmed += kept
         self.guesses = []
@@ -133,6 +132,10 @@ class SharedProposals:
         self.accepted += accepted
         if self.source is not None:
             self.source.record(proposed, accepted)
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
 
     def propose(self, most: int) -> list[int]:
         tokens = array.array("i", self.source.propose(most) if self.source is not None else [])

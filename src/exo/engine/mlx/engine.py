@@ -62,7 +62,7 @@ from exo.engine.parsing.output import tool_format_for
 from exo.engine.prefix_cache import SavedKV
 from exo.engine.request_settings import logprobs_wanted, max_tokens_of, sampling_settings
 from exo.engine.scheduler import Budget, Request, Row, Sampled, Scheduler
-from exo.engine.speculative import PromptLookup, Proposer, speculative_settings
+from exo.engine.speculative import PromptLookup, Proposer, check_draft, speculative_settings
 from exo.shared.types.common import CommandId, FrozenModel
 from exo.shared.types.instances import Instance
 from exo.shared.types.runners import RunnerMemory
@@ -398,16 +398,8 @@ class MlxEngine:
             return PromptLookup(settings) if settings is not None else None
         if self.group is not None and self.is_follower:
             return SharedProposals(None, self.group, self.collective_stream)
-        if self.draft is None:
-            raise ValueError(
-                "speculative method 'draft' needs a draft model: this instance was placed without one "
-                "(name it in the placement's draft_model or on the model's card)"
-            )
-        if settings.draft_model not in (None, self.draft.model_id):
-            raise ValueError(
-                f"this instance drafts with {self.draft.model_id}, not {settings.draft_model}: "
-                "place the model again with that draft_model"
-            )
+        check_draft(settings, self.draft.model_id if self.draft is not None else None)
+        assert self.draft is not None
         proposals = DraftProposals(settings, self.draft)
         return proposals if self.group is None else SharedProposals(proposals, self.group, self.collective_stream)
 
