@@ -16,6 +16,7 @@ from itertools import combinations
 from typing import Literal
 
 from exo.engine.llamacpp.support import mlx_reason
+from exo.master.disaggregation import REFERENCE_PROMPT_TOKENS, DisaggregationPlan, best_plan, plan_disaggregation
 from exo.shared.models.families import family_facts
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.types.common import (
@@ -94,6 +95,9 @@ class PlacementPreview(FrozenModel):
     # Why the instance runs MLX on nodes that run llama.cpp (a family llama.cpp lacks, a
     # split under a cluster secret); None when it runs its nodes' engine.
     engine_reason: str | None = None
+    # On a one-node option: whether prompts should prefill on another node, with the
+    # numbers (master/disaggregation.py); None where no other node's speed is known.
+    disaggregation: DisaggregationPlan | None = None
 
 
 def place_instance(
@@ -325,7 +329,38 @@ def _preview(
     instance = _build_instance(card, sharding, ring, layer_ranges, _ring_hosts(state, links, ring))
     engine, engine_reason = _instance_engine(state, card, sharding, ring)
     instance = instance.model_copy(update={"engine": engine, "engine_reason": engine_reason})
-    return preview.model_copy(update={"instance": instance, "engine_reason": engine_reason})
+    disaggregation = _disaggregation(state, links, card, ring[0]) if n == 1 else None
+    return preview.model_copy(
+        update={"instance": instance, "engine_reason": engine_reason, "disaggregation": disaggregation}
+    )
+
+
+def _disaggregation(state: State, links: Links, card: ModelCard, decode_node: NodeId) -> DisaggregationPlan | None:
+    """The best node to prefill for `decode_node`, among those that hold the whole model
+    and a reference prompt's KV beside it, judged by disaggregation.py's rule."""
+    decode_speed = state.nodes[decode_node].speed
+    if decode_speed is None:
+        return None
+    plans = []
+    for node_id, info in state.nodes.items():
+        if node_id == decode_node or info.speed is None:
+            continue
+        if free_memory(info)[0] < _bytes_needed(card, REFERENCE_PROMPT_TOKENS, card.n_layers, 1):
+            continue
+        # The decode node's probe of the prefill node timed bytes coming from it.
+        link = links.get((decode_node, node_id)) or links.get((node_id, decode_node))
+        plans.append(
+            plan_disaggregation(
+                card,
+                node_id,
+                info.speed,
+                decode_node,
+                decode_speed,
+                kv_cache_bytes(card, 1),
+                link.bandwidth_mbps if link else None,
+            )
+        )
+    return best_plan(plans)
 
 
 def _instance_engine(

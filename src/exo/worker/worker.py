@@ -48,7 +48,7 @@ from exo.shared.types.events import (
     TopologyEdgeUpdated,
 )
 from exo.shared.types.instances import EngineKind, Instance
-from exo.shared.types.nodes import MemoryInfo, NodeInfo
+from exo.shared.types.nodes import MemoryInfo, NodeInfo, NodeSpeed
 from exo.shared.types.runners import RunnerFailed, RunnerShutdown
 from exo.shared.types.state import State
 from exo.shared.types.text_generation import ChunkGenerated
@@ -78,11 +78,15 @@ from exo.worker.planner import (
 )
 from exo.worker.ring_ports import own_ring_host, ring_port_taken
 from exo.worker.runner_protocol import SubmitTask
+from exo.worker.speed_probe import probe_speed
 from exo.worker.supervisor import RunnerSupervisor
 
 NODE_INFO_INTERVAL_SECONDS = 10.0
 DOWNLOAD_REPORT_SECONDS = 1.0
 LINK_PROBE_INTERVAL_SECONDS = 3.0
+# The speed probe waits this long after the node starts, so a start (or a restart's time
+# to serving) never shares the cores with it.
+SPEED_PROBE_DELAY_SECONDS = 10.0
 # Report memory again only when it moved this much, to keep the event log small.
 MEMORY_REPORT_THRESHOLD_BYTES = 512 * 2**20
 
@@ -120,6 +124,9 @@ class Worker:
         self.forwarded: dict[RunnerId, set[TaskId]] = {}
         self.exited_at: dict[RunnerId, float] = {}
         self._wake = asyncio.Event()
+        # This node's measured speeds (speed_probe.py): None until measured.
+        self.speed: NodeSpeed | None = None
+        self._speed_measured = False
         replica.on_change(lambda _state: self._wake.set())
 
     def emit(self, event: Event) -> None:
@@ -151,7 +158,12 @@ class Worker:
         self.router.publish(Topic.CHUNKS, chunk)
 
     async def run(self) -> None:
-        await asyncio.gather(self._report_node_info(), self._plan_loop(), self._probe_links())
+        await asyncio.gather(self._report_node_info(), self._plan_loop(), self._probe_links(), self._measure_speed())
+
+    async def _measure_speed(self) -> None:
+        await asyncio.sleep(SPEED_PROBE_DELAY_SECONDS)
+        self.speed = await asyncio.to_thread(probe_speed, self.engine)
+        self._speed_measured = True
 
     async def _probe_links(self) -> None:
         headers = {"Authorization": f"Bearer {self.peer_token}"} if self.peer_token else None
@@ -180,10 +192,17 @@ class Worker:
             # first report went out before there was a master), when memory moved a lot,
             # or when anything else differs: a node restarted on its old home with another
             # API port or engine is known from its event log as it was.
-            if known is None or due:
+            if known is None or due or self._speed_measured:
+                self._speed_measured = False
                 # In a thread: nvidia-smi may take a moment to answer.
                 info = await asyncio.to_thread(
-                    gather_node_info, self.node_id, self.exo_home, self.api_port, self.engine, self.sealed
+                    gather_node_info,
+                    self.node_id,
+                    self.exo_home,
+                    self.api_port,
+                    self.engine,
+                    self.sealed,
+                    self.speed,
                 )
                 if known is None or _differs(known, info):
                     self.emit(NodeGatheredInfo(info=info))
@@ -485,7 +504,12 @@ def _completed(model_dir: Path, layers: tuple[int, int] | None) -> DownloadCompl
 
 
 def gather_node_info(
-    node_id: NodeId, exo_home: Path, api_port: int, engine: EngineKind = EngineKind.Mlx, sealed: bool = False
+    node_id: NodeId,
+    exo_home: Path,
+    api_port: int,
+    engine: EngineKind = EngineKind.Mlx,
+    sealed: bool = False,
+    speed: NodeSpeed | None = None,
 ) -> NodeInfo:
     memory = psutil.virtual_memory()
     hardware = probe()
@@ -502,6 +526,7 @@ def gather_node_info(
         gpus=nvidia_gpus(hardware),
         disk_available_bytes=download_free_bytes(exo_home),
         api_port=api_port,
+        speed=speed,
         interfaces=local_interfaces(),
     )
 

@@ -1,5 +1,7 @@
 """What a node tells the cluster about itself."""
 
+from pydantic import Field
+
 from exo.shared.types.common import FrozenModel, ModelId, NodeId
 from exo.shared.types.instances import EngineKind
 from exo.shared.types.topology import NetworkInterface
@@ -16,6 +18,17 @@ class GpuInfo(FrozenModel):
     name: str
     total_bytes: int
     free_bytes: int
+
+
+class NodeSpeed(FrozenModel):
+    """What the node computes at, measured once after it starts (worker/speed_probe.py):
+    a float32 matmul's GFLOP/s (prefill's bound) and a one-row matmul's GB/s of weights
+    read (decode's), on `device` with `threads` BLAS threads (None: the engine's default)."""
+
+    matmul_gflops: float = Field(gt=0)
+    matvec_gbps: float = Field(gt=0)
+    device: str
+    threads: int | None = None
 
 
 class NodeInfo(FrozenModel):
@@ -39,4 +52,7 @@ class NodeInfo(FrozenModel):
     gpus: list[GpuInfo] = []
     disk_available_bytes: int
     api_port: int
+    # None until the node has measured it (a few seconds after it starts), or where
+    # measuring failed or EXO_SPEED_PROBE=0.
+    speed: NodeSpeed | None = None
     interfaces: list[NetworkInterface] = []
