@@ -1,6 +1,6 @@
 """Speculative decoding by prompt lookup, in both engines in this process (real MLX and
 real llama.cpp on the tiny llama): the answer is the plain answer token for token
-(greedy, with penalties and logit bias, and seeded sampling), proposals are made and
+(greedy, with penalties and logit bias, seeded sampling, and a JSON schema's grammar), proposals are made and
 some kept (the tiny llama's greedy text repeats itself, which the lookup finds), usage
 counts them, and speculative requests batched with plain ones change no one's answer."""
 
@@ -49,6 +49,24 @@ REQUESTS = {
     "greedy": dict(text=WORDS * 6, max_tokens=64),
     "penalized": dict(text=WORDS * 3, max_tokens=48, frequency_penalty=0.4, logit_bias={7: 2.0}),
     "sampled": dict(text=WORDS * 4, max_tokens=64, temperature=0.5, top_p=0.95, seed=7),
+    # The grammar masks every verified position as it masks a plain step.
+    "json": dict(
+        text=WORDS * 4,
+        max_tokens=64,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {
+                "name": "words",
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "words": {"type": "array", "items": {"enum": ["cat", "moon", "node"]}, "minItems": 12}
+                    },
+                    "required": ["words"],
+                },
+            },
+        },
+    ),
 }
 
 
@@ -89,6 +107,9 @@ def test_speculative_answers_are_the_plain_answers(engine_name: str, request: py
     # The greedy text repeats itself: proposals were made and kept.
     greedy = usage_of(answers(engine, {"g": _params(**REQUESTS["greedy"], speculative=ON)})["g"])
     assert greedy.proposed_tokens > 0 and greedy.accepted_tokens > 0
+    # So does the schema's answer (at least 12 items of three words), under its grammar.
+    constrained = usage_of(answers(engine, {"j": _params(**REQUESTS["json"], speculative=ON)})["j"])
+    assert constrained.proposed_tokens > 0 and constrained.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("engine_name", list(ENGINES))
