@@ -90,6 +90,10 @@ console.log(
     downloads: view.downloadRows(state),
     previews: view.previewRows(state, previews),
     gpuPreviews: view.previewRows(state, [{ ...previews[0], memoryKind: { [nodeId]: "gpu" } }]),
+    disaggregatedPreviews: view.previewRows(state, [
+      { ...previews[0], disaggregation: { worthIt: true, prefillNode: nodeId, promptTokens: 8192, ttftAloneSeconds: 4.684, ttftSeconds: 1.337 } },
+      { ...previews[0], disaggregation: { worthIt: false, prefillNode: nodeId, promptTokens: 8192, ttftAloneSeconds: 4.684, ttftSeconds: null } },
+    ]),
     fit: view.fitSummary(state, previews),
     catalog: view.catalogRows(cards, state, "tiny", "all"),
     downloadedCatalog: view.catalogRows(cards, state, "", "downloaded").map((r) => r.id),

@@ -282,9 +282,19 @@ export function previewRows(state, previews) {
         return available === undefined ? needed : `${needed} of ${formatBytes(available)}${gpu}`;
       })
       .join(", "),
-    verdict: preview.error ? withNodeNames(state, preview.error) : "fits",
+    verdict: preview.error ? withNodeNames(state, preview.error) : fitVerdict(state, preview.disaggregation),
     fits: preview.instance !== null && preview.instance !== undefined,
   }));
+}
+
+// A one-node option that another node would prefill for (placement's disaggregation rule).
+function fitVerdict(state, plan) {
+  if (!plan?.worthIt) return "fits";
+  const seconds = (s) => `${s.toFixed(2)} s`;
+  return (
+    `fits; prefilling on ${nodeName(state, plan.prefillNode)} would cut the first token on ` +
+    `${plan.promptTokens.toLocaleString("en")} tokens from ${seconds(plan.ttftAloneSeconds)} to ${seconds(plan.ttftSeconds)}`
+  );
 }
 
 // Where to draw the cluster: nodes evenly on a circle (the master at the top), each
