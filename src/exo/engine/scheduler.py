@@ -56,6 +56,9 @@ class Request:
     first_token_at: float | None = None
     # Proposals for speculative decoding; None: plain decoding.
     proposer: Proposer | None = None
+    # Fed for another engine to decode (engine/kv_handoff.py): its whole prompt goes into
+    # the KV, nothing is sampled, and it finishes when the prompt is in.
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -249,6 +252,8 @@ class Scheduler:
                 if saved is not None:
                     self.prefix_cache.remember_boundary(request.key[: saved.length], saved)
                     self._fit_prefix_cache()
+            elif request.prefill_only:
+                chunks.append(self._prefilled(request))
         for result in sampled:
             if result.request.request_id in self._running:  # not finished by an earlier draft
                 chunks.append(self._token_chunk(result))
@@ -314,7 +319,8 @@ class Scheduler:
             end = self.backend.chunk_end(request, start, start + length)
             budget -= end - start
             chunks.append((end - start, end))
-            yield Row(request, request.prompt[start:end], start, end == len(request.prompt))
+            sample = end == len(request.prompt) and not request.prefill_only
+            yield Row(request, request.prompt[start:end], start, sample)
 
     def _drafts(self, request: Request, spare: int) -> list[int]:
         """Proposals for a speculative request: within the step's spare tokens and its
@@ -359,6 +365,12 @@ class Scheduler:
             return chunk
         self._finish(request)
         return chunk.model_copy(update={"usage": _usage(request), "stats": self._stats(request)})
+
+    def _prefilled(self, request: Request) -> ChunkGenerated:
+        """A prefill-only request whose prompt is in its KV: finished, its KV kept in the
+        prefix cache (a later turn sent here prefills only what it adds)."""
+        self._finish(request)
+        return ChunkGenerated(command_id=request.request_id, finish_reason="stop", usage=_usage(request))
 
     def _finish(self, request: Request) -> None:
         del self._running[request.request_id]

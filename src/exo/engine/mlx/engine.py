@@ -29,10 +29,12 @@ from exo.engine import limits
 from exo.engine.answer import AnswerStream, output_parser_for
 from exo.engine.base import ConvertProgress, LayerProgress, generate_warmup
 from exo.engine.detokenizer import StreamingDetokenizer
+from exo.engine.kv_handoff import Handoff, LayerPart
 from exo.engine.mlx.batching import DecodeBatch, Joiner, can_batch, prefill_together
 from exo.engine.mlx.chat_template import detected_think_markers, encode_prompt
 from exo.engine.mlx.constrained import GrammarProcessor, grammar_for, grammar_tokenizer
 from exo.engine.mlx.draft import DraftModel, DraftProposals, SharedProposals, load_draft
+from exo.engine.mlx.kv_transfer import KvAssembler, KvExporter
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.memory import (
     activation_bytes,
@@ -58,7 +60,7 @@ from exo.engine.mlx.vision import (
     load_vision,
     share_prompt,
 )
-from exo.engine.parsing.output import tool_format_for
+from exo.engine.parsing.output import make_output_parser, tool_format_for
 from exo.engine.prefix_cache import SavedKV
 from exo.engine.request_settings import logprobs_wanted, max_tokens_of, sampling_settings
 from exo.engine.scheduler import Budget, Request, Row, Sampled, Scheduler
@@ -156,6 +158,8 @@ class _Work:
     speculative: bool = False
     greedy: bool = False
     history: list[int] = field(default_factory=list)
+    # Prefilled for another engine: what each chunk adds goes to it.
+    export: KvExporter | None = None
 
     @property
     def batchable(self) -> bool:
@@ -390,6 +394,53 @@ class MlxEngine:
             Request(op.request_id, prompt, answer, logprobs_wanted(params), work, key, proposer=proposer)
         )
 
+    # --- disaggregated serving (engine/kv_handoff.py) -------------------------------------
+
+    def handoff_of(self, params: TextGenerationTaskParams, min_tokens: int) -> Handoff | None:
+        """The decode side: what to ask a prefill engine for before submitting `params`,
+        or None when this engine should prefill it itself (images, a single rank's
+        split, fewer than `min_tokens` tokens left to prefill after its prefix cache)."""
+        if params.images or self.group is not None:
+            return None
+        prompt, _, _ = self.prompt_of(CommandId("handoff"), params)
+        found = self._scheduler().prefix_cache.find(prompt[:-1])
+        skip = found[1] if found is not None else 0
+        if len(prompt) - 1 - skip < max(1, min_tokens):
+            return None
+        return Handoff(prompt, skip)
+
+    def kv_assembler(self, handoff: Handoff) -> KvAssembler:
+        """Where the handoff's parts go as they arrive (the decode side)."""
+        assert self.model is not None
+        held = None
+        if handoff.skip > 0:
+            found = self._scheduler().prefix_cache.find(handoff.prompt[: handoff.skip])
+            if found is None or found[1] < handoff.skip:
+                raise ValueError("the prefix cache no longer holds the prompt's first tokens")
+            held = found[0].snapshot
+        return KvAssembler(handoff, make_prompt_cache(self.model), held)
+
+    def import_kv(self, assembler: KvAssembler) -> None:
+        """The assembled KV, in the prefix cache where the request's admission finds it
+        (submit it next): its prompt's last token is fed here."""
+        cache = assembler.finish()
+        self._scheduler().prefix_cache.remember(assembler.handoff.prompt[:-1], _saved(cache, assembler.length))
+
+    def submit_prefill(self, request_id: CommandId, handoff: Handoff, send: Callable[[LayerPart], None]) -> None:
+        """The prefill side: feed the handoff's prompt but its last token, stepped with
+        the other requests, each chunk's KV passed to `send`; finished (finish_reason
+        "stop") when the whole prompt is in."""
+        assert self.tokenizer is not None, "load() first"
+        if self.group is not None:
+            raise ValueError("a split instance does not prefill for another")
+        # Never fed: nothing is sampled here. Its one token is what admission reserves.
+        answer = AnswerStream(
+            request_id, self._detokenizer(), make_output_parser(None, None, None, False, None), [], [], 1
+        )
+        work = _Work(None, [], export=KvExporter(handoff.skip, send))
+        request = Request(request_id, handoff.prompt[:-1], answer, None, work, prefill_only=True)
+        self._scheduler().add(request)
+
     def _proposer(self, params: TextGenerationTaskParams) -> Proposer | None:
         """Where the request's proposals come from, if it decodes speculatively. A draft
         model's run on rank 0 alone, which sends them to the other ranks."""
@@ -558,6 +609,7 @@ class MlxEngine:
             )
             for (row, _), cache in zip(together, caches, strict=True):
                 row.request.work.cache = cache
+        _export_chunks(rows)
         for row in rows:
             work = row.request.work
             if row.sample and work.batchable and not work.in_batch:
@@ -728,6 +780,15 @@ class MlxEngine:
         self.tokenizer = None
         self.scheduler = None
         self.vision = None
+
+
+def _export_chunks(rows: list[Row]) -> None:
+    """What the prompt chunks of prefill-only requests added, to the engines decoding them."""
+    for row in rows:
+        work: _Work = row.request.work
+        if work.export is not None:
+            end = row.start + len(row.tokens)
+            work.export.chunk_done(work.cache, end, end == len(row.request.prompt))
 
 
 def _saved(cache: list[Any], length: int) -> SavedKV:

@@ -1,0 +1,159 @@
+"""A request's KV as MLX holds it, sent from a prefill engine to a decode engine
+(engine/kv_handoff.py says how the two halves meet). Each layer's cache is mlx-lm's
+own object, read and written through its `state` (what mlx-lm's save_prompt_cache
+writes): a plain `KVCache` travels as its keys and values for the positions each prefill
+chunk added, every other cache (`RotatingKVCache`'s window, `ArraysCache`'s SSM state,
+`CacheList`s, DeepSeek V4's compressed branches) as its whole state once prefill ends,
+bounded by its window or its state's size whatever the prompt's length."""
+
+import json
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from exo.engine.kv_handoff import Handoff, LayerPart
+
+_LENGTH = struct.Struct("<I")
+
+
+def pack(tree: Any) -> bytes:
+    """A cache's state (nested lists, tuples and dicts of arrays and scalars) as bytes:
+    a JSON header with the structure, each array in it by dtype, shape and size, then
+    the arrays' bytes in that order."""
+    buffers: list[bytes] = []
+
+    def describe(node: Any) -> Any:
+        if isinstance(node, mx.array):
+            data = np.asarray(node.view(mx.uint8)).tobytes()
+            buffers.append(data)
+            return {"array": [str(node.dtype).removeprefix("mlx.core."), list(node.shape), len(data)]}
+        if isinstance(node, (list, tuple)):
+            return {"list": [describe(item) for item in node]}
+        if isinstance(node, dict):
+            return {"dict": [[key, describe(value)] for key, value in node.items()]}
+        return {"value": node}
+
+    header = json.dumps(describe(tree)).encode()
+    return _LENGTH.pack(len(header)) + header + b"".join(buffers)
+
+
+def unpack(payload: bytes) -> Any:
+    (length,) = _LENGTH.unpack_from(payload)
+    offset = _LENGTH.size + length
+
+    def build(node: dict[str, Any]) -> Any:
+        nonlocal offset
+        if "array" in node:
+            dtype, shape, size = node["array"]
+            raw = mx.array(np.frombuffer(payload, np.uint8, size, offset))
+            offset += size
+            return raw.view(getattr(mx, dtype)).reshape(shape)
+        if "list" in node:
+            return [build(item) for item in node["list"]]
+        if "dict" in node:
+            return {key: build(value) for key, value in node["dict"]}
+        return node["value"]
+
+    return build(json.loads(payload[_LENGTH.size : offset]))
+
+
+def _whole_state(layer: Any) -> dict[str, Any]:
+    """What a cache that is not plain KV is restored from: its state, and its meta_state
+    where it has one (exo's own caches keep their offset there)."""
+    meta = getattr(layer, "meta_state", None)
+    return {"state": layer.state, "meta": meta}
+
+
+def _restore(layer: Any, whole: dict[str, Any]) -> None:
+    layer.state = whole["state"]
+    if whole["meta"] is not None:
+        layer.meta_state = whole["meta"]
+
+
+def _is_plain(layer: Any) -> bool:
+    return type(layer) is KVCache
+
+
+class KvExporter:
+    """The prefill side: after each prompt chunk, what it added to the request's cache,
+    from the handoff's `skip` on, handed to `send` part by part."""
+
+    def __init__(self, skip: int, send: Callable[[LayerPart], None]) -> None:
+        self.sent_until = skip  # positions before this are sent (or held by the decode side)
+        self.send = send
+        self.bytes_sent = 0
+
+    def chunk_done(self, cache: list[Any], end: int, last: bool) -> None:
+        start = self.sent_until
+        for index, layer in enumerate(cache):
+            if _is_plain(layer) and start < end:
+                keys, values = layer.keys[..., start:end, :], layer.values[..., start:end, :]
+                self._send(LayerPart(index, start, end, False, pack([keys, values])))
+            elif last and not _is_plain(layer):
+                self._send(LayerPart(index, 0, end, True, pack(_whole_state(layer))))
+        self.sent_until = max(start, end)
+
+    def _send(self, part: LayerPart) -> None:
+        self.bytes_sent += len(part.payload)
+        self.send(part)
+
+
+class KvAssembler:
+    """The decode side: the parts of one handoff, put together into a cache like the one
+    prefill would have left here. `fresh` is a new cache for the model, `held` the
+    cache the decode side's prefix cache holds the first `handoff.skip` positions in
+    (None when skip is 0)."""
+
+    def __init__(self, handoff: Handoff, fresh: list[Any], held: list[Any] | None) -> None:
+        self.handoff = handoff
+        self.cache = fresh
+        self.bytes_received = 0
+        self._slices: dict[int, list[tuple[mx.array, mx.array]]] = {}
+        self._whole: set[int] = set()
+        for index, layer in enumerate(fresh):
+            if not _is_plain(layer):
+                continue
+            self._slices[index] = []
+            if handoff.skip > 0:
+                assert held is not None
+                kept = held[index]
+                self._slices[index].append((kept.keys[..., : handoff.skip, :], kept.values[..., : handoff.skip, :]))
+
+    @property
+    def length(self) -> int:
+        """Positions of the prompt the KV holds once every part is in."""
+        return len(self.handoff.prompt) - 1
+
+    def add(self, part: LayerPart) -> None:
+        self.bytes_received += len(part.payload)
+        state = unpack(part.payload)
+        if part.whole:
+            _restore(self.cache[part.layer], state)
+            self._whole.add(part.layer)
+            return
+        slices = self._slices[part.layer]
+        have = sum(keys.shape[2] for keys, _ in slices)
+        if part.start != have:
+            raise ValueError(f"layer {part.layer}: positions from {part.start} came after {have}")
+        slices.append((state[0], state[1]))
+
+    def finish(self) -> list[Any]:
+        """The assembled cache; raises ValueError when a part is missing."""
+        for index, layer in enumerate(self.cache):
+            if not _is_plain(layer):
+                if index not in self._whole:
+                    raise ValueError(f"layer {index}'s state never came")
+                continue
+            slices = self._slices[index]
+            keys = mx.concatenate([k for k, _ in slices], axis=2) if slices else None
+            values = mx.concatenate([v for _, v in slices], axis=2) if slices else None
+            held = 0 if keys is None else keys.shape[2]
+            if held != self.length:
+                raise ValueError(f"layer {index} holds {held} positions of {self.length}")
+            layer.state = (keys, values, held)
+        mx.eval([layer.state for layer in self.cache])
+        return self.cache
