@@ -10,7 +10,7 @@ from exo.master.placement import PlacementError, instance_previews, place_instan
 from exo.shared.models.model_cards import ModelCard, ModelTask, StorageSize
 from exo.shared.types.common import NodeId
 from exo.shared.types.instances import EngineKind, Sharding
-from exo.shared.types.nodes import GpuInfo, MemoryInfo, NodeInfo
+from exo.shared.types.nodes import GpuInfo, MemoryInfo, NodeInfo, NodeSpeed
 from exo.shared.types.state import State
 from exo.shared.types.topology import Connection, Topology
 from exo.worker import hardware
@@ -239,3 +239,24 @@ def test_a_split_across_a_cuda_node_and_a_cpu_node_runs_mlx_on_both():
     [preview] = [p for p in instance_previews(state, card_of(40), Sharding.Pipeline) if p.instance is not None]
     assert preview.compute == {"a": "cuda", "b": "cpu"} and preview.memory_kind == {"a": "gpu", "b": "ram"}
     assert preview.engine_reason is not None and "the nodes run different engines" in preview.engine_reason
+
+
+def _measured(info: NodeInfo, gbps: float) -> NodeInfo:
+    return info.model_copy(update={"speed": NodeSpeed(matmul_gflops=10 * gbps, matvec_gbps=gbps, device="cpu")})
+
+
+def test_placement_takes_the_node_measured_fastest_after_the_gpu_nodes():
+    # Two CPU nodes with room to spare: the one whose probe read weights faster decodes
+    # faster, and is taken though it has less free memory.
+    slow, fast = _measured(cpu_node("a", ram_free_gib=200), 10), _measured(cpu_node("b", ram_free_gib=100), 40)
+    assert list(place_instance(linked(slow, fast), card_of(40)).shard_assignments.node_to_runner) == ["b"]
+    # A node not measured yet counts as the slowest measured one: memory decides.
+    unmeasured = cpu_node("b", ram_free_gib=100)
+    assert list(place_instance(linked(slow, unmeasured), card_of(40)).shard_assignments.node_to_runner) == ["a"]
+    # A GPU node comes first whatever a CPU node measured.
+    on_gpu = _measured(node_info("g", gpus=(gpu(60),)), 5)
+    assert list(place_instance(linked(fast, on_gpu), card_of(40)).shard_assignments.node_to_runner) == ["g"]
+    # A 2-node split: the faster pair's pipeline, both nodes reading at their own pace.
+    third = _measured(cpu_node("c", ram_free_gib=30), 40)
+    pair = place_instance(linked(_measured(cpu_node("a", ram_free_gib=30), 10), fast, third), card_of(40), min_nodes=2)
+    assert sorted(pair.shard_assignments.node_to_runner) == ["b", "c"]

@@ -6,7 +6,8 @@ ring backend talks to both neighbours. A candidate fits when every node has room
 share of the weights, its share of the KV cache for the whole context, and a fixed
 runtime overhead. Among fitting candidates: fewer nodes first, then fewer nodes that
 compute on their cores (a GPU, CUDA or Metal, decodes many times faster than the same
-machine's CPU), then faster links, then more free memory. A node's memory is its free
+machine's CPU), then the faster decode by the nodes' measured speeds (NodeInfo.speed),
+then faster links, then more free memory. A node's memory is its free
 RAM, except on a CUDA node, where MLX holds weights and cache in the GPU's own memory:
 there it is the GPU's free memory.
 """
@@ -275,11 +276,33 @@ def _preference(state: State, links: Links, preview: PlacementPreview, sharding:
         preview.instance is None,
         len(preview.node_ids),
         sum(computes_on(state.nodes[node_id]) == "cpu" for node_id in preview.node_ids),
+        _decode_seconds(state, preview),
         _link_key(links, preview.node_ids),
         -sum(preview.memory_available_bytes.values()),
         list(Sharding).index(sharding),
         preview.node_ids,
     )
+
+
+def _decode_seconds(state: State, preview: PlacementPreview) -> float:
+    """Relative time a decoded token takes on the option, from the nodes' measured
+    speeds: a pipeline's ranks read their layers' weights one after another, a tensor
+    split's ranks their slice of every layer at once. A node not measured yet counts as
+    the slowest measured one; with none measured, every option ties."""
+    measured = [info.speed.matvec_gbps for info in state.nodes.values() if info.speed is not None]
+    if not measured or preview.instance is None:
+        return 0.0
+    shards = preview.instance.shard_assignments
+    times = []
+    for node_id, runner_id in shards.node_to_runner.items():
+        shard = shards.runner_to_shard[runner_id]
+        speed = state.nodes[node_id].speed
+        gbps = speed.matvec_gbps if speed is not None else min(measured)
+        if isinstance(shard, TensorShardMetadata):
+            times.append(1 / shard.world_size / gbps)
+        else:
+            times.append((shard.end_layer - shard.start_layer) / shard.n_layers / gbps)
+    return max(times) if preview.sharding == Sharding.Tensor else sum(times)
 
 
 # --- one candidate -------------------------------------------------------------------
