@@ -74,14 +74,30 @@ def check_draft(settings: Speculative, draft_id: str | None) -> None:
 
 
 @dataclass
-class PromptLookup:
+class CountedProposals:
+    """What every Proposer keeps: its sequence's tokens, and its proposals counted."""
+
+    tokens: list[int] = field(default_factory=list, kw_only=True)
+    proposed: int = field(default=0, kw_only=True)
+    accepted: int = field(default=0, kw_only=True)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class PromptLookup(CountedProposals):
     """An index of the sequence's n-grams to where each last occurred (the position
     after it), kept as tokens arrive."""
 
     settings: Speculative
-    tokens: list[int] = field(default_factory=list)
-    proposed: int = 0
-    accepted: int = 0
     _ends: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     def extend(self, tokens: list[int]) -> None:
@@ -105,10 +121,3 @@ class PromptLookup:
             if end is not None:
                 return self.tokens[end : end + most]
         return []
-
-    def record(self, proposed: int, accepted: int) -> None:
-        self.proposed += proposed
-        self.accepted += accepted
-
-    def close(self) -> None:
-        pass

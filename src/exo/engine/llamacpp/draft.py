@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from exo.engine.llamacpp.gguf_convert import gguf_for
 from exo.engine.llamacpp.native import Context, Model
 from exo.engine.llamacpp.support import gguf_cache_dir
-from exo.engine.speculative import guesses_kept
+from exo.engine.speculative import CountedProposals, guesses_kept
 from exo.shared.types.text_generation import Speculative
 
 
@@ -44,28 +44,18 @@ def load_draft(
 
 
 @dataclass
-class DraftProposals:
+class DraftProposals(CountedProposals):
     """One request's proposals from the draft model (a Proposer). Its sequence in the
     draft's context is taken at its first proposal (a queued request holds none) and
     given back at close."""
 
     settings: Speculative
     draft: DraftModel
-    tokens: list[int] = field(default_factory=list)
-    proposed: int = 0
-    accepted: int = 0
     sequence: int | None = None
     # The sequence holds tokens[:confirmed] and then `guesses` (the draft's own last
     # proposals, of which the target may since have kept some).
     confirmed: int = 0
     guesses: list[int] = field(default_factory=list)
-
-    def extend(self, tokens: list[int]) -> None:
-        self.tokens += tokens
-
-    def record(self, proposed: int, accepted: int) -> None:
-        self.proposed += proposed
-        self.accepted += accepted
 
     def close(self) -> None:
         if self.sequence is not None:

@@ -19,7 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
 from exo.engine.mlx.parallel import broadcast_bytes
-from exo.engine.speculative import Proposer, guesses_kept
+from exo.engine.speculative import CountedProposals, Proposer, guesses_kept
 from exo.shared.types.text_generation import Speculative
 
 # The prompt goes into the draft's cache this many tokens a forward.
@@ -43,14 +43,11 @@ def load_draft(model_dir: Path, model_id: str, tokenizer: TokenizerWrapper) -> D
 
 
 @dataclass
-class DraftProposals:
+class DraftProposals(CountedProposals):
     """One request's proposals from the draft model (a Proposer)."""
 
     settings: Speculative
     draft: DraftModel
-    tokens: list[int] = field(default_factory=list)
-    proposed: int = 0
-    accepted: int = 0
     cache: list[Any] = field(default_factory=list)
     # The draft's cache holds tokens[:confirmed] and then `guesses` (its own last
     # proposals, of which the sequence may since have kept some).
@@ -59,13 +56,6 @@ class DraftProposals:
 
     def __post_init__(self) -> None:
         self.cache = make_prompt_cache(self.draft.model)
-
-    def extend(self, tokens: list[int]) -> None:
-        self.tokens += tokens
-
-    def record(self, proposed: int, accepted: int) -> None:
-        self.proposed += proposed
-        self.accepted += accepted
 
     def close(self) -> None:
         self.cache = []  # the finished request's draft KV goes now, not when its Request does
