@@ -53,7 +53,7 @@ class _Handoff:
                     self.early_parts = before
             for part in parts:
                 assembler.add(part)
-            decode.import_kv(assembler)
+            decode.import_kv(CommandId("decoded"), assembler)
             self.moved = assembler.bytes_received
         chunks = answers(decode, {"decoded": params})["decoded"]
         self.tokens = tokens_of(chunks)
@@ -70,6 +70,7 @@ def _fresh(monkeypatch, prefill: MlxEngine, decode: MlxEngine) -> list[int]:
     """Both engines at 32 tokens a step with empty prefix caches; the prompt."""
     for engine in (prefill, decode):
         set_step_tokens(monkeypatch, engine, 32)
+        assert engine.scheduler is not None
         engine.scheduler.prefix_cache.clear()
     return _prompt(decode)
 

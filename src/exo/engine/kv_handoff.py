@@ -11,7 +11,12 @@ What a part's payload holds is the engine's (engine/mlx/kv_transfer.py); here it
 bytes, framed for a stream."""
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
+
+from exo.shared.types.common import CommandId
+from exo.shared.types.text_generation import KvHandoffStats, TextGenerationTaskParams
 
 # layer, start, end, whole, payload length
 _HEADER = struct.Struct("<IQQ?Q")
@@ -52,3 +57,29 @@ def part_header(header: bytes) -> tuple[int, int, int, bool, int]:
     """(layer, start, end, whole, payload length) of a framed part's first HEADER_BYTES."""
     layer, start, end, whole, length = _HEADER.unpack(header)
     return layer, start, end, whole, length
+
+
+class PartSink(Protocol):
+    """Where a handoff's parts go on the decode side, as they arrive."""
+
+    bytes_received: int
+
+    def add(self, part: LayerPart) -> None: ...
+
+
+class HandoffEngine(Protocol):
+    """What an engine that hands KV over does, on either side."""
+
+    def handoff_of(self, params: TextGenerationTaskParams, min_tokens: int) -> Handoff | None:
+        """The decode side: what to ask for before submitting `params` (None: prefill here)."""
+        ...
+
+    def kv_assembler(self, handoff: Handoff) -> PartSink: ...
+
+    def import_kv(self, request_id: CommandId, sink: PartSink, stats: KvHandoffStats) -> None:
+        """The assembled KV where `request_id`'s admission finds it; submit it next."""
+        ...
+
+    def submit_prefill(self, request_id: CommandId, handoff: Handoff, send: Callable[[LayerPart], None]) -> None:
+        """The prefill side: feed the handoff's prompt but its last token, each part to `send`."""
+        ...

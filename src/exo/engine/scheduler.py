@@ -34,7 +34,14 @@ from exo.engine.prefix_cache import PrefixCache, SavedKV
 from exo.engine.speculative import Proposer
 from exo.shared.types.common import CommandId
 from exo.shared.types.runners import RunnerMemory
-from exo.shared.types.text_generation import ChunkGenerated, GenerationStats, PrefillProgress, TokenLogprob, Usage
+from exo.shared.types.text_generation import (
+    ChunkGenerated,
+    GenerationStats,
+    KvHandoffStats,
+    PrefillProgress,
+    TokenLogprob,
+    Usage,
+)
 
 
 @dataclass
@@ -59,6 +66,8 @@ class Request:
     # Fed for another engine to decode (engine/kv_handoff.py): its whole prompt goes into
     # the KV, nothing is sampled, and it finishes when the prompt is in.
     prefill_only: bool = False
+    # Prefilled by another engine: what moving its KV took.
+    kv_handoff: KvHandoffStats | None = None
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -397,6 +406,7 @@ class Scheduler:
             generation_tokens=generated,
             peak_memory_bytes=self.backend.peak_memory(),
             acceptance_rate=proposer.accepted / proposer.proposed if proposer and proposer.proposed else None,
+            kv_handoff=request.kv_handoff,
         )
 
 

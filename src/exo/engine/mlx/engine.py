@@ -29,7 +29,7 @@ from exo.engine import limits
 from exo.engine.answer import AnswerStream, output_parser_for
 from exo.engine.base import ConvertProgress, LayerProgress, generate_warmup
 from exo.engine.detokenizer import StreamingDetokenizer
-from exo.engine.kv_handoff import Handoff, LayerPart
+from exo.engine.kv_handoff import Handoff, LayerPart, PartSink
 from exo.engine.mlx.batching import DecodeBatch, Joiner, can_batch, prefill_together
 from exo.engine.mlx.chat_template import detected_think_markers, encode_prompt
 from exo.engine.mlx.constrained import GrammarProcessor, grammar_for, grammar_tokenizer
@@ -72,6 +72,7 @@ from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
 from exo.shared.types.text_generation import (
     ChunkGenerated,
     ImageInput,
+    KvHandoffStats,
     Speculative,
     TextGenerationTaskParams,
     TokenLogprob,
@@ -201,6 +202,8 @@ class MlxEngine:
         self._samplers: dict[tuple[float, float, float, int], Any] = {}
         self.shutdown_requested = False
         self._batch = DecodeBatch()
+        # What moving the KV of requests prefilled elsewhere took, until they start.
+        self._handoff_stats: dict[CommandId, KvHandoffStats] = {}
 
     @property
     def is_follower(self) -> bool:
@@ -390,9 +393,9 @@ class MlxEngine:
         proposer = self._proposer(params)
         work = _Work(self._sampler(params), processors, vision, speculative=proposer is not None, greedy=greedy)
         key = vision.key if vision is not None else []
-        self._scheduler().add(
-            Request(op.request_id, prompt, answer, logprobs_wanted(params), work, key, proposer=proposer)
-        )
+        request = Request(op.request_id, prompt, answer, logprobs_wanted(params), work, key, proposer=proposer)
+        request.kv_handoff = self._handoff_stats.pop(op.request_id, None)
+        self._scheduler().add(request)
 
     # --- disaggregated serving (engine/kv_handoff.py) -------------------------------------
 
@@ -420,11 +423,14 @@ class MlxEngine:
             held = found[0].snapshot
         return KvAssembler(handoff, make_prompt_cache(self.model), held)
 
-    def import_kv(self, assembler: KvAssembler) -> None:
+    def import_kv(self, request_id: CommandId, sink: PartSink, stats: KvHandoffStats | None = None) -> None:
         """The assembled KV, in the prefix cache where the request's admission finds it
         (submit it next): its prompt's last token is fed here."""
-        cache = assembler.finish()
-        self._scheduler().prefix_cache.remember(assembler.handoff.prompt[:-1], _saved(cache, assembler.length))
+        assert isinstance(sink, KvAssembler)
+        cache = sink.finish()
+        self._scheduler().prefix_cache.remember(sink.handoff.prompt[:-1], _saved(cache, sink.length))
+        if stats is not None:
+            self._handoff_stats[request_id] = stats
 
     def submit_prefill(self, request_id: CommandId, handoff: Handoff, send: Callable[[LayerPart], None]) -> None:
         """The prefill side: feed the handoff's prompt but its last token, stepped with

@@ -107,6 +107,17 @@ class Usage(FrozenModel):
         return self.prompt_tokens + self.completion_tokens
 
 
+class KvHandoffStats(FrozenModel):
+    """A request prefilled by another runner (disaggregated serving): the KV's bytes on
+    the wire (sealed), the seconds from asking for it to having all of it, the prefill
+    runner's own seconds of that, and the prompt tokens whose KV moved."""
+
+    bytes: int
+    seconds: float
+    prefill_seconds: float
+    tokens: int
+
+
 class GenerationStats(FrozenModel):
     prompt_tps: float
     generation_tps: float
@@ -117,6 +128,8 @@ class GenerationStats(FrozenModel):
     # Speculative decoding: of the tokens proposed, the share the model kept (None: none
     # proposed).
     acceptance_rate: float | None = None
+    # Prefilled by another runner: what moving its KV took (None: prefilled here).
+    kv_handoff: KvHandoffStats | None = None
 
 
 class ToolCall(FrozenModel):

@@ -1,0 +1,140 @@
+"""Disaggregated serving in a runner (engine/kv_handoff.py, engine/kv_wire.py): the
+decode runner asks the prefill runner for a long prompt's KV and submits the request
+once it is in; the prefill runner serves such asks beside its own requests. Both are
+driven by the runner's stepping thread: `poll` takes what the socket threads queued,
+so the engine is only ever touched from that thread."""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loguru import logger
+
+from exo.engine.kv_handoff import HandoffEngine, PartSink
+from exo.engine.kv_wire import FetchEnd, IncomingHandoff, KvFetch, KvServer
+from exo.shared.types.common import CommandId
+from exo.shared.types.text_generation import ChunkGenerated, KvHandoffStats, TextGenerationTaskParams
+
+
+@dataclass
+class _Waiting:
+    params: TextGenerationTaskParams
+    fetch: KvFetch
+    sink: PartSink
+
+
+class DecodeHandoffs:
+    """Requests whose KV the prefill runner at `address` is computing."""
+
+    def __init__(
+        self,
+        engine: HandoffEngine,
+        address: tuple[str, int],
+        secret: str | None,
+        min_tokens: int,
+        notify: Callable[[], None],
+    ) -> None:
+        self.engine = engine
+        self.address = address
+        self.secret = secret
+        self.min_tokens = min_tokens
+        self.notify = notify
+        self._waiting: dict[CommandId, _Waiting] = {}
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._waiting)
+
+    def start(self, command_id: CommandId, params: TextGenerationTaskParams) -> bool:
+        """Ask for the request's KV if it is worth it; False: submit it at once."""
+        handoff = self.engine.handoff_of(params, self.min_tokens)
+        if handoff is None:
+            return False
+        sink = self.engine.kv_assembler(handoff)
+        self._waiting[command_id] = _Waiting(params, KvFetch(self.address, handoff, self.secret, self.notify), sink)
+        return True
+
+    def cancel(self, command_id: CommandId) -> bool:
+        return self._waiting.pop(command_id, None) is not None  # its thread ends on its own
+
+    def poll(self) -> list[tuple[CommandId, TextGenerationTaskParams]]:
+        """The requests to submit now: their KV is in, or its fetch failed (they prefill
+        here)."""
+        ready: list[tuple[CommandId, TextGenerationTaskParams]] = []
+        for command_id, waiting in list(self._waiting.items()):
+            for item in waiting.fetch.take():
+                if not isinstance(item, FetchEnd):
+                    waiting.sink.add(item)
+                    continue
+                del self._waiting[command_id]
+                self._finish(command_id, waiting, item)
+                ready.append((command_id, waiting.params))
+                break
+        return ready
+
+    def _finish(self, command_id: CommandId, waiting: _Waiting, end: FetchEnd) -> None:
+        fetch = waiting.fetch
+        if end.error is not None:
+            logger.warning(f"prefilling {command_id} here: the prefill runner's KV did not come ({end.error})")
+            return
+        stats = KvHandoffStats(
+            bytes=fetch.wire_bytes,
+            seconds=fetch.seconds,
+            prefill_seconds=end.prefill_seconds,
+            tokens=fetch.handoff.sent_tokens,
+        )
+        try:
+            self.engine.import_kv(command_id, waiting.sink, stats)
+        except ValueError as error:
+            logger.warning(f"prefilling {command_id} here: its KV was incomplete ({error})")
+            return
+        logger.info(
+            f"{command_id}: KV of {stats.tokens} tokens in {stats.bytes} bytes, {stats.seconds:.3f} s "
+            f"(prefill {stats.prefill_seconds:.3f} s)"
+        )
+
+
+class PrefillService:
+    """Handoffs asked of this runner, fed as prefill-only requests of its engine."""
+
+    def __init__(self, engine: HandoffEngine, server: KvServer) -> None:
+        self.engine = engine
+        self.server = server
+        self._serving: dict[CommandId, tuple[IncomingHandoff, float]] = {}
+        self._count = 0
+
+    @property
+    def serving(self) -> bool:
+        return bool(self._serving)
+
+    def poll(self) -> None:
+        while not self.server.incoming.empty():
+            incoming = self.server.incoming.get_nowait()
+            self._count += 1
+            request_id = CommandId(f"kv-handoff-{self._count}")
+            try:
+                self.engine.submit_prefill(request_id, incoming.handoff, incoming.send)
+            except ValueError as error:
+                incoming.fail(str(error))
+                continue
+            self._serving[request_id] = (incoming, time.perf_counter())
+
+    def finished(self, chunk: ChunkGenerated) -> bool:
+        """Whether the chunk is one of this service's prefills (then it is handled here)."""
+        served = self._serving.get(chunk.command_id)
+        if served is None:
+            return False
+        if chunk.finish_reason is None:
+            return True
+        incoming, started = self._serving.pop(chunk.command_id)
+        if chunk.finish_reason == "error":
+            incoming.fail(chunk.error_message or "prefill failed")
+        else:
+            incoming.done(time.perf_counter() - started)
+        return True
+
+    def close(self) -> None:
+        self.server.close()
+        for incoming, _ in self._serving.values():
+            incoming.fail("the prefill runner stopped")
+        self._serving.clear()
