@@ -14,9 +14,7 @@ from loguru import logger
 sys.modules.setdefault("torch", None)  # type: ignore[assignment]
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found"
 
-from exo.node import Node, NodeConfig  # noqa: E402
 from exo.shared.cluster_secret import SECRET_ENV  # noqa: E402
-from exo.worker.hardware import choose_engine, probe  # noqa: E402
 
 # auto: MLX where it has a GPU (Apple silicon, or its CUDA build on an NVIDIA GPU), else
 # llama.cpp (MLX's CPU backend is tens of times slower at decode: docs/engines.md); see
@@ -108,6 +106,12 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Imported here, not above: a runner process is spawned, and spawning imports this
+    # module again in the child (as __mp_main__), which then needs none of the node's
+    # modules (the API, the master: most of a second of a restarted node's start).
+    from exo.node import Node, NodeConfig
+    from exo.worker.hardware import choose_engine, probe
+
     args = parse_args(argv)
     # Before anything starts (transport, election, runners): a second node on a busy port
     # would otherwise join the cluster for a moment and then die with a bind error.

@@ -5,13 +5,11 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 from loguru import logger
 
-from exo.api.app import create_app
-from exo.api.placing import place_model
-from exo.api.port import ApiSettings
 from exo.catalog.catalog import Catalog
 from exo.master.master import Master
 from exo.routing.chunk_streams import ChunkStreams
@@ -29,6 +27,11 @@ from exo.shared.types.instances import EngineKind
 from exo.shared.types.state import State
 from exo.shared.types.text_generation import ChunkGenerated
 from exo.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from exo.api.port import ApiSettings
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,9 @@ class Node:
     # The API's port to the cluster (exo.api.port.ClusterPort).
 
     @property
-    def settings(self) -> ApiSettings:
+    def settings(self) -> "ApiSettings":
+        from exo.api.port import ApiSettings
+
         return ApiSettings(
             offline=self.config.offline,
             auto_place=self.config.auto_place,
@@ -198,9 +203,13 @@ class Node:
         self._tasks.append(asyncio.create_task(self.chunk_streams.run(), name="chunk-streams"))
         if self.worker is not None:
             self._tasks.append(asyncio.create_task(self.worker.run(), name="worker"))
+        # The API's modules (FastAPI, transformers' tokenizers: about half a second) load
+        # in a thread while the loop runs: the worker starts its runners and the election
+        # finds the master meanwhile, instead of after (a restarted node's time to serve).
+        app = await asyncio.to_thread(_api_app, self)
         server = uvicorn.Server(
             uvicorn.Config(
-                create_app(self),
+                app,
                 host=self.config.api_host,
                 port=self.config.api_port,
                 log_level="warning",
@@ -218,6 +227,8 @@ class Node:
             await self.close()
 
     async def _place_on_start(self, model_id: str) -> None:
+        from exo.api.placing import place_model
+
         await self.replica.wait_for(lambda s: self.node_id in s.nodes, timeout=60)
         if any(i.model_id == model_id for i in self.replica.state.instances.values()):
             return
@@ -232,3 +243,9 @@ class Node:
                 task.cancel()
         self.router.close()
         self.replica.close()
+
+
+def _api_app(node: Node) -> "FastAPI":
+    from exo.api.app import create_app
+
+    return create_app(node)

@@ -13,8 +13,10 @@ import httpx
 
 from exo.api.app import create_app
 from exo.catalog.cards import builtin_cards
-from exo.shared.types.commands import TaskFinished, TextGeneration
+from exo.shared.types.commands import Command, TaskFinished, TextGeneration
 from exo.shared.types.common import CommandId
+from exo.shared.types.events import RunnerStatusUpdated
+from exo.shared.types.runners import RunnerReady, RunnerShutdown
 from exo.shared.types.text_generation import ChunkGenerated, Usage
 from tests.support.fake_cluster import FakeCluster
 
@@ -171,6 +173,40 @@ def test_a_request_whose_instance_is_lost_before_its_first_token_is_routed_again
         assert not any(e["type"] == "error" for e in events)
 
     run(test)
+
+
+def test_a_request_refused_while_this_nodes_state_was_stale_is_served_once_the_runner_is_back():
+    """A node restarted on its old history shows its runner ready before the master has
+    heard from the new one: the master finds no instance serving. The request waits
+    until this node has seen the runner go down and come back, and is sent again."""
+
+    async def test(cluster: FakeCluster, client: httpx.AsyncClient) -> None:
+        assert (await client.post("/place_instance", json={"model_id": MODEL})).status_code == 200
+        runner_id = next(iter(cluster.state.runners))
+        send, refused = cluster.send_command, []
+        loop = asyncio.get_running_loop()
+
+        def refuse_the_first(command: Command) -> None:
+            if not isinstance(command, TextGeneration) or refused:
+                return send(command)
+            refused.append(command)
+            message = f"no running instance serves model '{MODEL}'"
+            cluster.publish_chunk(
+                ChunkGenerated(
+                    command_id=command.command_id, finish_reason="error", error_message=message, retryable=True
+                )
+            )
+            # The restarted runner's reports reach this node later: down, then ready again.
+            loop.call_later(0.2, cluster.emit, RunnerStatusUpdated(runner_id=runner_id, status=RunnerShutdown()))
+            loop.call_later(0.4, cluster.emit, RunnerStatusUpdated(runner_id=runner_id, status=RunnerReady()))
+
+        cluster.send_command = refuse_the_first
+        response = await client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] == "Blue."
+        assert sum(isinstance(c, TextGeneration) for c in cluster.commands) == 1  # the second try
+
+    run(test, reroute_seconds=3, auto_place=False)
 
 
 def test_when_no_instance_comes_back_the_request_gets_a_503_with_retry_after():

@@ -1,4 +1,4 @@
-from exo.routing.election import choose_master
+from exo.routing.election import choose_master, master_to_follow
 from exo.shared.types.common import NodeId
 from exo.shared.types.election import Heartbeat
 
@@ -35,3 +35,26 @@ def test_node_id_breaks_a_full_tie():
 def test_order_of_candidates_does_not_matter():
     candidates = [candidate("a", started_at=3.0), candidate("b", started_at=2.0), candidate("c", started_at=2.0)]
     assert choose_master(candidates) == choose_master(list(reversed(candidates))) == "c"
+
+
+def test_a_joining_node_follows_the_master_that_names_itself_and_wins():
+    own = candidate("new", started_at=9000.0)
+    master = candidate("m", started_at=1000.0, master_id=NodeId("m"))
+    follower = candidate("f", started_at=2000.0, master_id=NodeId("m"))
+    assert master_to_follow(own, master, [master, follower]) == "m"
+
+
+def test_a_joining_node_does_not_follow_a_peer_that_only_follows_a_master():
+    own = candidate("new", started_at=9000.0)
+    follower = candidate("f", started_at=2000.0, master_id=NodeId("m"))
+    assert master_to_follow(own, follower, [follower]) is None
+
+
+def test_a_joining_node_does_not_follow_a_master_another_candidate_beats():
+    """Another node more senior than the master heard (a heal, say): the round decides."""
+    own = candidate("new", started_at=9000.0)
+    master = candidate("m", started_at=1000.0, master_id=NodeId("m"))
+    senior = candidate("s", started_at=500.0, master_id=NodeId("s2"))
+    assert master_to_follow(own, master, [master, senior]) is None
+    forced = candidate("new", started_at=9000.0, force_master=True)
+    assert master_to_follow(forced, master, [master]) is None

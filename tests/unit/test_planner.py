@@ -33,6 +33,7 @@ from exo.shared.types.runners import (
     RunnerReady,
     RunnerRunning,
     RunnerStatus,
+    RunnerWarmingUp,
 )
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.state import State
@@ -223,6 +224,23 @@ def test_start_warmup_once_loaded(card: ModelCard):
     assert plan(NODE, state, local, NOW) == RunnerStep(RUNNER, StartWarmup())
 
 
+def test_a_runner_alone_in_its_instance_steps_on_its_own_reports_before_state_has_them(card: ModelCard):
+    """A node restarted on its old history holds its runner's last status from before
+    (Ready) and no master yet to order the new ones: the runner loads meanwhile."""
+    state = single_node_state(card, RunnerReady())
+    assert plan(NODE, state, local_runner(), NOW) is None  # the process has not reported yet
+    assert plan(NODE, state, local_runner(status=RunnerIdle()), NOW) == RunnerStep(RUNNER, ConnectToGroup())
+    local = local_runner(sent={ConnectToGroup}, status=RunnerConnected())
+    assert plan(NODE, state, local, NOW) == RunnerStep(RUNNER, LOAD_MODEL)
+    local = local_runner(sent={ConnectToGroup, LoadModel}, status=RunnerLoaded())
+    assert plan(NODE, state, local, NOW) == RunnerStep(RUNNER, StartWarmup())
+    local = local_runner(sent=ALL_STEPS, status=RunnerWarmingUp())
+    tasks = single_node_state(card, RunnerReady(), tasks=[pending_task()])
+    assert plan(NODE, tasks, local, NOW) is None
+    local = local_runner(sent=ALL_STEPS, status=RunnerReady())
+    assert plan(NODE, tasks, local, NOW) == ForwardTask(RUNNER, TaskId("task-1"))
+
+
 # --- serving -------------------------------------------------------------------------------
 
 
@@ -378,6 +396,13 @@ def test_rank_0_does_not_connect_before_the_other_rank_has_started(card: ModelCa
 def test_rank_0_does_not_load_until_the_other_rank_is_connected(card: ModelCard):
     state = two_rank_state(card, own=RunnerConnected(), other=RunnerConnecting())
     assert plan(NODE, state, local_runner(sent={ConnectToGroup}), NOW) is None
+
+
+def test_a_rank_of_a_split_steps_on_state_not_on_its_own_reports(card: ModelCard):
+    """Its peers see its status only through the master: it moves when they can."""
+    state = two_rank_state(card, own=RunnerConnecting(), other=RunnerConnected())
+    local = local_runner(sent={ConnectToGroup}, status=RunnerConnected())
+    assert plan(NODE, state, local, NOW) is None
 
 
 def test_rank_0_loads_once_every_rank_is_connected(card: ModelCard):

@@ -21,9 +21,7 @@ def routers() -> tuple[Router, Router]:
     namespace = f"test-{uuid.uuid4().hex[:8]}"
     port = free_port()
     master = Router(NodeId("b"), ZenohTransport(namespace, listen_port=port, multicast=False))
-    worker = Router(
-        NodeId("a"), ZenohTransport(namespace, bootstrap_peers=[f"tcp/127.0.0.1:{port}"], multicast=False)
-    )
+    worker = Router(NodeId("a"), ZenohTransport(namespace, bootstrap_peers=[f"tcp/127.0.0.1:{port}"], multicast=False))
     return master, worker
 
 
@@ -79,5 +77,34 @@ def test_a_node_elected_itself_sends_at_once():
         assert inbox.empty()  # no master yet: held
         router.master_elected(NodeId("a"))
         assert inbox.get_nowait() == REPORT
+
+    asyncio.run(scenario())
+
+
+def test_reports_go_once_the_elected_masters_heartbeat_names_itself():
+    """A node names itself in its heartbeat only once its master listens: a quiet
+    master's heartbeat comes sooner than its next event."""
+
+    async def scenario() -> None:
+        master, worker = routers()
+        master.start()
+        worker.start()
+        try:
+            await until_connected(master, worker)
+            worker.master_elected(NodeId("b"))
+            worker.publish(Topic.LOCAL_EVENTS, REPORT)
+            inbox = master.subscribe(Topic.LOCAL_EVENTS)
+            # Heard, but not yet naming itself: still held.
+            await until_connected(master, worker)
+            await asyncio.sleep(0.3)
+            assert inbox.empty()
+            master.publish(
+                Topic.ELECTION,
+                Heartbeat(node_id=NodeId("b"), session_id="s", started_at=0.0, commands_seen=0, master_id=NodeId("b")),
+            )
+            assert await asyncio.wait_for(inbox.get(), timeout=10) == REPORT
+        finally:
+            master.close()
+            worker.close()
 
     asyncio.run(scenario())

@@ -56,6 +56,10 @@ class Generation:
         self._rerouting_since: float | None = None
         # Instances this request was sent to that failed it: not tried again.
         self._failed_instances: set[InstanceId] = set()
+        # Instances this node's State showed serving when the master found none did: not
+        # tried until this node has seen them stop serving (its State caught up), so a
+        # restarted runner serving again is tried.
+        self._stale_instances: set[InstanceId] = set()
 
     async def start(self) -> AsyncIterator[str]:
         """Waits for the instance being placed (yielding a keep-alive comment every few
@@ -140,7 +144,9 @@ class Generation:
         # the master already knows is gone, and the master then refuses again.
         if self._rerouting_since is None:
             self._rerouting_since = loop.time()
-        self._failed_instances |= self._instances_that_failed_it()
+        ran_on, stale = self._instances_that_failed_it()
+        self._failed_instances |= ran_on
+        self._stale_instances = stale
         limit = self.cluster.settings.reroute_seconds
         logger.info(f"request {self.command_id}: {failure.error_message}; routing it again")
         next_comment = 0.0
@@ -148,8 +154,9 @@ class Generation:
         async with aclosing(self._watch(model_id=self.command.params.model)) as watch:
             async for seen in watch:
                 waited = loop.time() - self._rerouting_since
-                serving = [i for i in seen.instances if is_serving(seen.state, i)]
-                if any(i.instance_id not in self._failed_instances for i in serving):
+                serving = {i.instance_id for i in seen.instances if is_serving(seen.state, i)}
+                self._stale_instances &= serving
+                if serving - self._failed_instances - self._stale_instances:
                     found = True
                     break
                 if waited > limit:
@@ -168,13 +175,15 @@ class Generation:
             self.cluster.send_command(self.command)
             await self._wait_until_accepted()
 
-    def _instances_that_failed_it(self) -> set[InstanceId]:
+    def _instances_that_failed_it(self) -> tuple[set[InstanceId], set[InstanceId]]:
         """The instance this request's task ran on; without a task (the master found no
-        instance), the ones this node still thinks serve: the master knows better."""
+        instance), the ones this node still thinks serve, as stale: the master knows better."""
         state = self.cluster.state
         ran_on = {t.instance_id for t in state.tasks.values() if t.command_id == self.command_id}
+        if ran_on:
+            return ran_on, set()
         model = self.command.params.model
-        return ran_on or {i.instance_id for i in instances_of(state, model) if is_serving(state, i)}
+        return set(), {i.instance_id for i in instances_of(state, model) if is_serving(state, i)}
 
     async def _watch(self, instance_id: InstanceId | None = None, model_id: str | None = None):
         """Instances as they change, at least every keep-alive interval; ends with the

@@ -5,7 +5,13 @@ in who is alive, after a short debounce, each node picks the best live candidate
 Seniority is the wall-clock time a node started, so it reads the same on every node and
 never changes: nodes with the same view of who is alive always pick the same master, and
 the oldest node keeps the job as others come and go. (A round counter or an uptime read
-at slightly different moments on each node could make two nodes each pick themselves.)"""
+at slightly different moments on each node could make two nodes each pick themselves.)
+
+A node joining a cluster that already has a master need not wait out the debounce: a
+heartbeat from a node that says it is the master, and that wins among every candidate
+heard so far, is followed at once (`master_to_follow`). Being the youngest, a restarted
+node never wins against it, so the round after the debounce names the same master; if
+it names another (a more senior node heard later), that round's answer stands."""
 
 import asyncio
 import time
@@ -31,6 +37,14 @@ def election_key(candidate: Heartbeat) -> tuple[bool, float, int, str]:
 
 def choose_master(candidates: list[Heartbeat]) -> NodeId:
     return max(candidates, key=election_key).node_id
+
+
+def master_to_follow(own: Heartbeat, heard: Heartbeat, peers: list[Heartbeat]) -> NodeId | None:
+    """The master to follow before this node's first round: `heard`'s sender when it says
+    it is the master and it wins among this node and every peer heard (`peers`)."""
+    if heard.master_id != heard.node_id:
+        return None
+    return heard.node_id if choose_master([own, heard, *peers]) == heard.node_id else None
 
 
 class Election:
@@ -62,6 +76,7 @@ class Election:
             started_at=self.started_at,
             commands_seen=self.commands_seen,
             force_master=self.force_master,
+            master_id=self.master_id,
         )
 
     def alive_sessions(self) -> set[str]:
@@ -91,6 +106,17 @@ class Election:
                 logger.info(f"election: node {heartbeat.node_id} joined")
                 self._membership_changed.set()
             self._peers[heartbeat.node_id] = (heartbeat, time.monotonic())
+            if self.master_id is None:
+                await self._follow_early(heartbeat)
+
+    async def _follow_early(self, heartbeat: Heartbeat) -> None:
+        alive = self.alive_nodes()
+        peers = [seen for node_id, (seen, _) in self._peers.items() if node_id in alive]
+        master_id = master_to_follow(self.candidacy(), heartbeat, peers)
+        if master_id is not None:
+            logger.info(f"election: following {master_id}, the master already elected")
+            self.master_id = master_id
+            await self.on_elected(master_id)
 
     async def _run_rounds(self) -> None:
         members = self.alive_nodes()

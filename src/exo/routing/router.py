@@ -60,6 +60,12 @@ UNREADABLE_WARN_SECONDS = 30.0
 TO_MASTER = (Topic.COMMANDS, Topic.LOCAL_EVENTS)
 
 
+def _in_office(topic: Topic, message: Any, origin: NodeId) -> bool:
+    """The message shows its sender acting as the master: an event it ordered, or a
+    heartbeat naming itself (a node names itself only once its master listens)."""
+    return topic is Topic.GLOBAL_EVENTS or (topic is Topic.ELECTION and message.master_id == origin)
+
+
 class Router:
     def __init__(self, node_id: NodeId, transport: Transport | None = None) -> None:
         self.node_id = node_id
@@ -78,10 +84,10 @@ class Router:
         self._on_master_heard.append(listener)
 
     def master_elected(self, master_id: NodeId) -> None:
-        """Hold messages for the master until `master_id` is heard on GLOBAL_EVENTS:
-        another node may learn of its election before that node has taken office, and
-        what it sent in between would reach nobody. This node's own master listens
-        from its start, so its messages go at once."""
+        """Hold messages for the master until `master_id` is heard on GLOBAL_EVENTS, or
+        its heartbeat says it is the master: another node may learn of its election
+        before that node has taken office, and what it sent in between would reach
+        nobody. This node's own master listens from its start, so its messages go at once."""
         if self._held is None:
             self._held = []
         self._awaited_master = master_id
@@ -127,7 +133,7 @@ class Router:
             self.transport.send(topic, b'{"origin":' + json.dumps(self.node_id).encode() + b',"body":' + body + b"}")
 
     def _deliver(self, topic: Topic, message: Any, origin: NodeId) -> None:
-        if topic is Topic.GLOBAL_EVENTS and origin == self._awaited_master:
+        if origin == self._awaited_master and _in_office(topic, message, origin):
             self._release_held()
         for queue in self._subscribers.get(topic, []):
             queue.put_nowait(message)

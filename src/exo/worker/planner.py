@@ -44,6 +44,8 @@ class LocalRunner:
     hosts: tuple[str, ...] = ()
     # Its own account of why it failed, once it has.
     failure: str | None = None
+    # The last status the process reported (State has it once the master ordered it).
+    status: RunnerStatus | None = None
 
 
 @dataclass(frozen=True)
@@ -243,8 +245,15 @@ def _plan_instance(
     if abandon is not None:
         return abandon
 
-    stages = [_stage(state.runners.get(r)) for r in instance.shard_assignments.runner_to_shard]
     own = state.runners.get(runner_id)
+    if len(instance.shard_assignments.runner_to_shard) == 1 and runner.status is not None:
+        # Alone in its instance, a runner waits for no peer: it steps on its own reports,
+        # not on their return through the master, so a node that has just started
+        # loads its model while it is still finding the master.
+        own = runner.status
+    stages = [
+        _stage(own if r == runner_id else state.runners.get(r)) for r in instance.shard_assignments.runner_to_shard
+    ]
     # Each lifecycle step starts only once every rank has finished the previous one,
     # so ranks move through connect -> load -> warm up together.
     steps: tuple[tuple[LifecycleInstruction, RunnerStatus], ...] = (

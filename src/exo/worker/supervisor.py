@@ -11,7 +11,7 @@ from loguru import logger
 from exo.shared.types.common import CommandId, RunnerId, TaskId
 from exo.shared.types.events import Event, RunnerStatusUpdated, TaskStatusUpdated
 from exo.shared.types.instances import Instance
-from exo.shared.types.runners import RunnerFailed, RunnerShutdown
+from exo.shared.types.runners import RunnerFailed, RunnerShutdown, RunnerStatus
 from exo.shared.types.tasks import FINISHED_TASK_STATUSES, TaskStatus
 from exo.shared.types.text_generation import ChunkGenerated
 from exo.worker.chunk_coalescing import coalesced
@@ -50,6 +50,8 @@ class RunnerSupervisor:
         # is a shutdown, not a failure.
         self.stopping = False
         self.failure_message: str | None = None
+        # The last status the process reported.
+        self.status: RunnerStatus | None = None
         context = mp.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self.process = context.Process(
@@ -100,6 +102,8 @@ class RunnerSupervisor:
             # The runner's own account of its failure beats "exited with code 1".
             self.failure_message = message.status.error_message
             return
+        if isinstance(message, RunnerStatusUpdated):
+            self.status = message.status
         if isinstance(message, TaskStatusUpdated) and message.status in FINISHED_TASK_STATUSES:
             self.in_flight.pop(message.task_id, None)
         self.on_event(message)

@@ -245,6 +245,7 @@ class Worker:
                 attempt=supervisor.attempt,
                 hosts=tuple(supervisor.instance.hosts),
                 failure=supervisor.failure_message,
+                status=supervisor.status,
             )
         return local
 

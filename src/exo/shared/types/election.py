@@ -9,3 +9,5 @@ class Heartbeat(FrozenModel):
     started_at: float  # unix time the node started; earlier is more senior
     commands_seen: int
     force_master: bool = False
+    # The master this node follows (itself when it is the master); None before its first round.
+    master_id: NodeId | None = None
