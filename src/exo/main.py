@@ -106,11 +106,11 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Imported here, not above: a runner process is spawned, and spawning imports this
-    # module again in the child (as __mp_main__), which then needs none of the node's
-    # modules (the API, the master: most of a second of a restarted node's start).
-    from exo.node import Node, NodeConfig
+    # The node's modules are imported here, not above: spawning a runner process imports
+    # this module again in the child (as __mp_main__), which needs none of them (the API,
+    # the master: most of a second of a restarted node's start).
     from exo.worker.hardware import choose_engine, probe
+    from exo.worker.supervisor import SpareRunner
 
     args = parse_args(argv)
     # Before anything starts (transport, election, runners): a second node on a busy port
@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     logger.add(home / "logs" / "exo.log", level="DEBUG", rotation="20 MB", retention=3)
     engine, why = choose_engine(args.engine, probe())
     logger.info(f"engine: {engine.value} ({why})")
+    # Before the node's own imports: the spare imports its engine meanwhile.
+    spare = None if args.no_worker else SpareRunner(engine, args.verbose)
+    from exo.node import Node, NodeConfig
+
     config = NodeConfig(
         exo_home=home,
         api_port=args.api_port,
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         engine=engine,
     )
     try:
-        asyncio.run(Node(config).run())
+        asyncio.run(Node(config, spare).run())
     except KeyboardInterrupt:
         pass
 

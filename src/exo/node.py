@@ -26,6 +26,7 @@ from exo.shared.types.common import CommandId, NodeId, new_id
 from exo.shared.types.instances import EngineKind
 from exo.shared.types.state import State
 from exo.shared.types.text_generation import ChunkGenerated
+from exo.worker.supervisor import SpareRunner
 from exo.worker.worker import Worker
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def load_node_id(exo_home: Path) -> NodeId:
 
 
 class Node:
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, spare: SpareRunner | None = None) -> None:
         self.config = config
         self.node_id = load_node_id(config.exo_home)
         self.session_id = new_id()
@@ -116,6 +117,7 @@ class Node:
                 peer_token=config.peer_token,
                 engine=config.engine,
                 sealed=bool(config.cluster_secret),
+                spare=spare,
             )
             if config.run_worker
             else None

@@ -36,6 +36,7 @@ from exo.shared.types.tasks import TaskStatus, TextGenerationTask
 from exo.shared.types.text_generation import ChunkGenerated
 from exo.worker.chunk_coalescing import HeldChunks
 from exo.worker.runner_protocol import (
+    BecomeRunner,
     CancelRunnerTask,
     ConnectToGroup,
     LoadModel,
@@ -289,16 +290,26 @@ def _exit_when_orphaned() -> None:
     threading.Thread(target=watch, name="orphan-watchdog", daemon=True).start()
 
 
+def _mlx_engine_modules() -> None:
+    import exo.engine.mlx.engine  # noqa: F401  MLX is imported only in runners
+
+
+def _llamacpp_engine_modules() -> None:
+    from exo.engine.llamacpp.cores import share_cores
+
+    share_cores()  # before llama.cpp loads
+    import exo.engine.llamacpp.engine  # noqa: F401
+
+
 def _mlx_engine() -> Engine:
-    from exo.engine.mlx.engine import MlxEngine  # MLX is imported only in runners
+    _mlx_engine_modules()
+    from exo.engine.mlx.engine import MlxEngine
 
     return MlxEngine()
 
 
 def _llamacpp_engine() -> Engine:
-    from exo.engine.llamacpp.cores import share_cores
-
-    share_cores()
+    _llamacpp_engine_modules()
     from exo.engine.llamacpp.engine import LlamaCppEngine
 
     return LlamaCppEngine()
@@ -322,16 +333,41 @@ def _mlx_where_llamacpp_refuses() -> Fallback:
 
 def runner_main(conn: Connection, runner_id: RunnerId, instance: Instance, verbose: bool) -> None:
     """Entry point of the spawned process."""
+    _become_a_runner_process()
+    _serve(conn, runner_id, instance, verbose)
+
+
+def spare_main(conn: Connection, engine: EngineKind, verbose: bool) -> None:
+    """Entry point of a process started before the worker knows what it will run (the
+    node starts one as it starts, while it loads its history and joins): it imports the
+    node's engine meanwhile, most of a runner's start, then serves as told, or exits
+    when the pipe closes unused."""
+    _become_a_runner_process()
+    if engine == EngineKind.LlamaCpp:
+        _llamacpp_engine_modules()
+    else:
+        _mlx_engine_modules()
+    try:
+        told: BecomeRunner = conn.recv()
+    except EOFError:
+        return
+    _serve(conn, told.runner_id, told.instance, verbose)
+
+
+def _become_a_runner_process() -> None:
     # Ctrl-C and SIGTERM reach the whole process group; the supervisor shuts the runner
     # down in order instead, and if the node dies outright the pipe closes and we exit.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_when_orphaned()
-    logger.remove()
-    logger.add(sys.stderr, level="DEBUG" if verbose else "INFO", format=f"runner {runner_id[:8]} | {{message}}")
     # The MLX engine uses transformers for tokenizers only; keep torch (which transformers
     # imports whenever it is installed) out: ~3 s of CPU per runner start.
     sys.modules.setdefault("torch", None)  # type: ignore[assignment]
+
+
+def _serve(conn: Connection, runner_id: RunnerId, instance: Instance, verbose: bool) -> None:
+    logger.remove()
+    logger.add(sys.stderr, level="DEBUG" if verbose else "INFO", format=f"runner {runner_id[:8]} | {{message}}")
     if instance.engine == EngineKind.LlamaCpp:
         runner = Runner(conn, runner_id, instance, _llamacpp_engine(), _mlx_where_llamacpp_refuses())
     else:

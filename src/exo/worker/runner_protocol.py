@@ -4,8 +4,17 @@ so plain frozen dataclasses). The runner answers with the events it causes
 
 from dataclasses import dataclass
 
-from exo.shared.types.common import TaskId
+from exo.shared.types.common import RunnerId, TaskId
+from exo.shared.types.instances import Instance
 from exo.shared.types.tasks import TextGenerationTask
+
+
+@dataclass(frozen=True)
+class BecomeRunner:
+    """A spare runner process's first message: which runner of which instance it is."""
+
+    runner_id: RunnerId
+    instance: Instance
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,14 @@ from loguru import logger
 
 from exo.shared.types.common import CommandId, RunnerId, TaskId
 from exo.shared.types.events import Event, RunnerStatusUpdated, TaskStatusUpdated
-from exo.shared.types.instances import Instance
+from exo.shared.types.instances import EngineKind, Instance
 from exo.shared.types.runners import RunnerFailed, RunnerShutdown, RunnerStatus
 from exo.shared.types.tasks import FINISHED_TASK_STATUSES, TaskStatus
 from exo.shared.types.text_generation import ChunkGenerated
 from exo.worker.chunk_coalescing import coalesced
-from exo.worker.runner import runner_main
+from exo.worker.runner import runner_main, spare_main
 from exo.worker.runner_protocol import (
+    BecomeRunner,
     CancelRunnerTask,
     RunnerInstruction,
     Shutdown,
@@ -25,6 +26,26 @@ from exo.worker.runner_protocol import (
 
 # Messages read from the pipe at once (and merged where they can be) before relaying.
 MAX_READ = 64
+
+
+class SpareRunner:
+    """A runner process started with the node, before the worker knows what it will run:
+    it imports the engine (most of a runner's start) while the node loads its history
+    and joins the cluster, so a restarted node's runner is ready sooner. The first
+    runner the worker creates takes it (`RunnerSupervisor(spare=...)`)."""
+
+    def __init__(self, engine: EngineKind, verbose: bool) -> None:
+        context = mp.get_context("spawn")
+        self.conn, child_conn = context.Pipe()
+        self.process = context.Process(
+            target=spare_main, args=(child_conn, engine, verbose), name="exo-runner-spare", daemon=True
+        )
+        self.process.start()
+        child_conn.close()
+
+    def close(self) -> None:
+        """Unused: the process exits when its pipe closes."""
+        self.conn.close()
 
 
 class RunnerSupervisor:
@@ -36,6 +57,7 @@ class RunnerSupervisor:
         on_chunk: Callable[[ChunkGenerated], None],
         verbose: bool = False,
         attempt: int = 1,
+        spare: SpareRunner | None = None,
     ) -> None:
         self.runner_id = runner_id
         self.instance = instance
@@ -52,16 +74,20 @@ class RunnerSupervisor:
         self.failure_message: str | None = None
         # The last status the process reported.
         self.status: RunnerStatus | None = None
-        context = mp.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self.process = context.Process(
-            target=runner_main,
-            args=(child_conn, runner_id, instance, verbose),
-            name=f"exo-runner-{runner_id[:8]}",
-            daemon=True,
-        )
-        self.process.start()
-        child_conn.close()
+        if spare is not None and spare.process.is_alive():
+            self._conn, self.process = spare.conn, spare.process
+            self._conn.send(BecomeRunner(runner_id=runner_id, instance=instance))
+        else:
+            context = mp.get_context("spawn")
+            self._conn, child_conn = context.Pipe()
+            self.process = context.Process(
+                target=runner_main,
+                args=(child_conn, runner_id, instance, verbose),
+                name=f"exo-runner-{runner_id[:8]}",
+                daemon=True,
+            )
+            self.process.start()
+            child_conn.close()
         loop = asyncio.get_running_loop()
         loop.add_reader(self._conn.fileno(), self._on_readable)
 

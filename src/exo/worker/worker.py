@@ -79,11 +79,13 @@ from exo.worker.planner import (
 from exo.worker.ring_ports import own_ring_host, ring_port_taken
 from exo.worker.runner_protocol import SubmitTask
 from exo.worker.speed_probe import probe_speed
-from exo.worker.supervisor import RunnerSupervisor
+from exo.worker.supervisor import RunnerSupervisor, SpareRunner
 
 NODE_INFO_INTERVAL_SECONDS = 10.0
 DOWNLOAD_REPORT_SECONDS = 1.0
 LINK_PROBE_INTERVAL_SECONDS = 3.0
+# How long the spare runner process started with the node waits for a runner to become.
+SPARE_RUNNER_SECONDS = 30.0
 # The speed probe waits this long after the node starts, so a start (or a restart's time
 # to serving) never shares the cores with it.
 SPEED_PROBE_DELAY_SECONDS = 10.0
@@ -104,8 +106,11 @@ class Worker:
         peer_token: str | None = None,
         engine: EngineKind = EngineKind.Mlx,
         sealed: bool = False,
+        spare: SpareRunner | None = None,
     ) -> None:
         self.node_id = node_id
+        # Started with the node; the first runner created takes it (supervisor.py).
+        self.spare = spare
         self.engine = engine
         self.sealed = sealed  # its cluster messages are sealed by a cluster secret
         # Presented on the other nodes' peer endpoints when their API needs a key.
@@ -158,7 +163,20 @@ class Worker:
         self.router.publish(Topic.CHUNKS, chunk)
 
     async def run(self) -> None:
-        await asyncio.gather(self._report_node_info(), self._plan_loop(), self._probe_links(), self._measure_speed())
+        await asyncio.gather(
+            self._report_node_info(),
+            self._plan_loop(),
+            self._probe_links(),
+            self._measure_speed(),
+            self._let_the_spare_go(),
+        )
+
+    async def _let_the_spare_go(self) -> None:
+        """A node that has no runner to start soon after it starts keeps no spare."""
+        await asyncio.sleep(SPARE_RUNNER_SECONDS)
+        if self.spare is not None:
+            self.spare.close()
+            self.spare = None
 
     async def _measure_speed(self) -> None:
         await asyncio.sleep(SPEED_PROBE_DELAY_SECONDS)
@@ -276,6 +294,7 @@ class Worker:
                     self._on_runner_event(RunnerStatusUpdated(runner_id=runner_id, status=RunnerShutdown()))
                 self.exited_at.pop(runner_id, None)
                 self.forwarded[runner_id] = set()
+                spare, self.spare = self.spare, None
                 self.supervisors[runner_id] = RunnerSupervisor(
                     runner_id,
                     state.instances[instance_id],
@@ -283,6 +302,7 @@ class Worker:
                     on_chunk=self._on_chunk,
                     verbose=self.verbose,
                     attempt=attempt,
+                    spare=spare,
                 )
             case ShutdownRunner(runner_id=runner_id):
                 supervisor = self.supervisors.pop(runner_id)
@@ -480,6 +500,8 @@ class Worker:
         self.emit(NodeDownloadProgress(node_id=self.node_id, model_id=model_id, progress=progress))
 
     async def close(self) -> None:
+        if self.spare is not None:
+            self.spare.close()
         for download in self._downloads.values():
             download.cancel()
         for supervisor in list(self.supervisors.values()):
