@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from exo.devtools.tiny_models import make_tiny_llama
-from tests.support.cluster import loopback_cluster, netns_cluster, wait_converged
+from tests.support.cluster import await_ready, loopback_cluster, netns_cluster, wait_converged
 from tests.support.node import TINY_MODEL_ID
 
 PROMPT = [{"role": "user", "content": "Hello there, tell me about clusters"}]
@@ -25,9 +25,7 @@ def place_and_wait(node, sharding: str, min_nodes: int, **extra) -> str:
     )
     assert response.status_code == 200, response.text
     instance_id = response.json()["instance_id"]
-    with httpx.stream("GET", f"{node.url}/instance/await", params={"instance_id": instance_id}, timeout=180) as stream:
-        events = [line for line in stream.iter_lines() if line.startswith(("event:", "data:"))]
-    assert "event: ready" in events, events[-4:]
+    await_ready(node, instance_id)
     return instance_id
 
 

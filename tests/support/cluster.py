@@ -560,3 +560,11 @@ def netns_cluster(
             yield cluster
     finally:
         network.teardown()
+
+
+def await_ready(node: ExoNode, instance_id: str, timeout: float = 180) -> None:
+    """Until /instance/await says the instance serves; fails with its last events if not."""
+    params = {"instance_id": instance_id}
+    with httpx.stream("GET", f"{node.url}/instance/await", params=params, timeout=timeout) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith(("event:", "data:"))]
+    assert "event: ready" in events, events[-4:]

@@ -14,6 +14,7 @@ from exo.master.placement import (
     instance_previews,
     instance_problem,
     kv_cache_bytes,
+    place_disaggregated,
     place_instance,
     split_layers,
     splits_to_move_to_mlx,
@@ -34,7 +35,14 @@ from exo.shared.types.common import (
     RunnerId,
     TaskId,
 )
-from exo.shared.types.instances import EngineKind, Instance, ShardAssignments, Sharding
+from exo.shared.types.instances import (
+    EngineKind,
+    Instance,
+    PrefillFor,
+    PrefillPlacement,
+    ShardAssignments,
+    Sharding,
+)
 from exo.shared.types.nodes import MemoryInfo, NodeInfo
 from exo.shared.types.runners import (
     RunnerLoading,
@@ -957,3 +965,45 @@ def test_a_llamacpp_splits_rank_0_fetches_every_layer_and_an_mlx_pipelines_its_o
         assert layers_needed(instance, rank_0) == (None if rank_0_layers is None else own)
         follower_end = second.start_layer if engine == "llamacpp" else second.end_layer
         assert layers_needed(instance, rank_1) == (second.start_layer, follower_end)
+
+
+# --- disaggregated serving (issue 36) ----------------------------------------------------------
+
+
+def test_asked_disaggregation_places_the_model_whole_on_both_nodes_linked_by_a_port(small_card: ModelCard):
+    state = linked(cluster(a=20, b=20), "a-b")
+    decode, prefill = place_disaggregated(state, small_card, NodeId("a"), NodeId("b"), min_tokens=1000)
+    assert list(decode.shard_assignments.node_to_runner) == ["b"]
+    assert list(prefill.shard_assignments.node_to_runner) == ["a"]
+    for instance in (decode, prefill):
+        [shard] = instance.shard_assignments.runner_to_shard.values()
+        assert (shard.start_layer, shard.end_layer) == (0, small_card.n_layers)
+        assert instance.engine == EngineKind.Mlx
+    assert decode.prefill is not None and prefill.prefill_for is not None
+    assert prefill.prefill_for.instance_id == decode.instance_id
+    # b reaches a at a's address, on the port a's runner listens on.
+    assert decode.prefill == PrefillPlacement(
+        instance_id=prefill.instance_id, host=f"10.0.0.1:{prefill.prefill_for.port}", min_tokens=1000
+    )
+    # A later ring does not take that port.
+    later = state.model_copy(update={"instances": {i.instance_id: i for i in (decode, prefill)}})
+    next_prefill = place_disaggregated(later, small_card, NodeId("a"), NodeId("b"))[1].prefill_for
+    assert next_prefill is not None and next_prefill.port != prefill.prefill_for.port
+
+
+def test_disaggregation_needs_two_linked_nodes_that_each_hold_the_model(small_card: ModelCard):
+    with pytest.raises(PlacementError, match="must differ"):
+        place_disaggregated(linked(cluster(a=20, b=20), "a-b"), small_card, NodeId("a"), NodeId("a"))
+    with pytest.raises(PlacementError, match="has not reached"):
+        place_disaggregated(cluster(a=20, b=20), small_card, NodeId("a"), NodeId("b"))
+    with pytest.raises(PlacementError, match="on node a"):
+        place_disaggregated(linked(cluster(a=0.1, b=20), "a-b"), small_card, NodeId("a"), NodeId("b"))
+
+
+def test_requests_never_go_to_an_instance_that_only_prefills(small_card: ModelCard):
+    state = load_state(small_card, {"decode": RunnerReady(), "prefill": RunnerReady()}, [task_on("decode", 1)])
+    prefill = state.instances[InstanceId("prefill")].model_copy(
+        update={"prefill_for": PrefillFor(instance_id=InstanceId("decode"), port=31000)}
+    )
+    state = state.model_copy(update={"instances": {**state.instances, prefill.instance_id: prefill}})
+    assert least_loaded_instance(state, ModelId(small_card.model_id)) == "decode"

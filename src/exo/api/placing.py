@@ -11,11 +11,17 @@ from loguru import logger
 
 from exo.api.errors import ApiError
 from exo.api.port import ClusterPort
-from exo.master.placement import LINKS_BEING_MEASURED, PlacementError, place_instance
+from exo.master.placement import (
+    DISAGGREGATION_MIN_TOKENS,
+    LINKS_BEING_MEASURED,
+    PlacementError,
+    place_disaggregated,
+    place_instance,
+)
 from exo.shared.models.model_cards import ModelCard
 from exo.shared.queries import gave_up_on, instances_of, least_loaded_instance
 from exo.shared.types.commands import CreateInstance
-from exo.shared.types.common import InstanceId, ModelId
+from exo.shared.types.common import InstanceId, ModelId, NodeId
 from exo.shared.types.instances import Instance, Sharding
 from exo.shared.types.state import State
 
@@ -80,6 +86,35 @@ def place_model(
 ) -> CreateInstance:
     instance = planned_instance(cluster, model_id, sharding, min_nodes, context_length, draft_model)
     command = CreateInstance(instance=instance)
+    cluster.send_command(command)
+    return command
+
+
+def place_disaggregated_model(
+    cluster: ClusterPort,
+    model_id: str,
+    prefill_node: str,
+    decode_node: str,
+    context_length: int | None,
+    min_tokens: int | None,
+) -> CreateInstance:
+    """The model served on `decode_node` with its long prompts prefilled on
+    `prefill_node` (two instances, the prefill one created first), or a 400 saying why
+    not. Returns the decode instance's command."""
+    card = card_or_404(cluster, model_id)
+    try:
+        decode, prefill = place_disaggregated(
+            cluster.state,
+            card,
+            NodeId(prefill_node),
+            NodeId(decode_node),
+            context_length,
+            min_tokens if min_tokens is not None else DISAGGREGATION_MIN_TOKENS,
+        )
+    except PlacementError as error:
+        raise ApiError(400, str(error), code="placement_failed") from error
+    cluster.send_command(CreateInstance(instance=prefill))
+    command = CreateInstance(instance=decode)
     cluster.send_command(command)
     return command
 
@@ -164,7 +199,6 @@ class AutoPlacer:
         self._placed[model] = (instance_id, now)
         logger.info(f"auto-placing {model} as instance {instance_id}")
         return instance_id
-
 
     def _refuse_if_given_up(self, state: State, model: str, now: float) -> None:
         given_up = gave_up_on(state, model)

@@ -13,7 +13,7 @@ bytes, framed for a stream."""
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from exo.shared.types.common import CommandId
 from exo.shared.types.text_generation import KvHandoffStats, TextGenerationTaskParams
@@ -67,6 +67,7 @@ class PartSink(Protocol):
     def add(self, part: LayerPart) -> None: ...
 
 
+@runtime_checkable
 class HandoffEngine(Protocol):
     """What an engine that hands KV over does, on either side."""
 

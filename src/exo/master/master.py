@@ -146,7 +146,8 @@ class Master:
             self._delete_instance(instance.instance_id, f"node {node_id} left the cluster")
         self.emit(NodeTimedOut(node_id=node_id))
         for instance in lost:
-            self._replace(instance)
+            if instance.prefill_for is None:  # one that only prefilled for another goes with its node
+                self._replace(instance)
 
     def _replace(self, lost: Instance) -> None:
         """Put a model that lost a node back on the nodes that remain, if it fits."""
@@ -276,6 +277,9 @@ class Master:
                 self.emit(TaskStatusUpdated(task_id=task.task_id, status=TaskStatus.Failed, error_message=message))
                 self._fail_stream(task.command_id, message)
         self.emit(InstanceDeleted(instance_id=instance_id, reason=reason))
+        for other in list(self.state.instances.values()):
+            if other.prefill_for is not None and other.prefill_for.instance_id == instance_id:
+                self._delete_instance(other.instance_id, f"it prefilled for instance {instance_id}, deleted: {reason}")
 
     def _start_text_generation(self, command_id: CommandId, model_id: ModelId, command: TextGeneration) -> None:
         if has_task_for(self.state, command_id):

@@ -32,6 +32,8 @@ from exo.shared.types.instances import (
     EngineKind,
     Instance,
     InstanceMeta,
+    PrefillFor,
+    PrefillPlacement,
     ShardAssignments,
     Sharding,
 )
@@ -60,6 +62,9 @@ RING_BASE_PORT = 31000
 RING_PORT_SPAN = 1000
 # How many rejection reasons a PlacementError quotes.
 MAX_REASONS_IN_ERROR = 8
+# Disaggregated serving: prompts with at least this many tokens to prefill go to the
+# prefill node (shorter ones cost less to prefill than to ask for).
+DISAGGREGATION_MIN_TOKENS = 512
 
 Links = dict[tuple[NodeId, NodeId], Connection]
 # What a node's share of an instance must fit in: free RAM, or a CUDA GPU's free memory.
@@ -560,6 +565,8 @@ def _used_ports(instances: Iterable[Instance]) -> set[int]:
             port = host.rsplit(":", 1)[-1]
             if port.isdigit():
                 used.add(int(port))
+        if instance.prefill_for is not None:
+            used.add(instance.prefill_for.port)
     return used
 
 
@@ -691,3 +698,44 @@ def instance_problem(state: State, instance: Instance) -> str | None:
         if len(shards) > 1 and any(state.nodes[n].sealed for n in assignments.node_to_runner):
             return "a llama.cpp split under a cluster secret: its RPC port is unauthenticated; use engine mlx"
     return None
+
+
+# --- disaggregated serving -----------------------------------------------------------
+
+
+def place_disaggregated(
+    state: State,
+    card: ModelCard,
+    prefill_node: NodeId,
+    decode_node: NodeId,
+    context_length: int | None = None,
+    min_tokens: int = DISAGGREGATION_MIN_TOKENS,
+) -> tuple[Instance, Instance]:
+    """The model whole on `decode_node`, which serves it, and whole on `prefill_node`,
+    which prefills its prompts of `min_tokens` or more (issue 36): the decode instance
+    and the prefill instance, or a PlacementError saying why not. Both run MLX, whose
+    KV the handoff carries (engine/mlx/kv_transfer.py)."""
+    if prefill_node == decode_node:
+        raise PlacementError("the prefill and decode nodes must differ")
+    unknown = [node for node in (prefill_node, decode_node) if node not in state.nodes]
+    if unknown:
+        raise PlacementError(f"node(s) {', '.join(unknown)} are not in the cluster")
+    links = _links(state.topology)
+    link = links.get((decode_node, prefill_node))
+    if link is None:
+        raise PlacementError(f"node {decode_node} has not reached node {prefill_node}; {LINKS_BEING_MEASURED}")
+    context = _context_length(card, context_length)
+    decode, prefill = (_whole_on(state, links, card, node, context) for node in (decode_node, prefill_node))
+    (port,) = _ring_ports(state, 1)  # the decode instance, on one node, has no ring
+    host = _with_ports([link.sink_ip], [port])[0]
+    prefill = prefill.model_copy(update={"prefill_for": PrefillFor(instance_id=decode.instance_id, port=port)})
+    placement = PrefillPlacement(instance_id=prefill.instance_id, host=host, min_tokens=min_tokens)
+    return decode.model_copy(update={"prefill": placement}), prefill
+
+
+def _whole_on(state: State, links: Links, card: ModelCard, node: NodeId, context: int) -> Instance:
+    preview = _preview(state, links, card, Sharding.Pipeline, [node], None, context)
+    if preview.instance is None:
+        raise PlacementError(f"cannot place {card.model_id} on node {node}: {preview.error}")
+    reason = preview.instance.engine_reason or "runs on MLX: disaggregated serving hands MLX's KV over"
+    return preview.instance.model_copy(update={"engine": EngineKind.Mlx, "engine_reason": reason})

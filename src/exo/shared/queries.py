@@ -62,8 +62,11 @@ def open_task_count(state: State, instance_id: InstanceId) -> int:
 
 
 def least_loaded_instance(state: State, model_id: ModelId) -> InstanceId | None:
-    """The serving instance of this model with the fewest unfinished tasks."""
-    candidates = [i.instance_id for i in instances_of(state, model_id) if is_serving(state, i)]
+    """The serving instance of this model with the fewest unfinished tasks (not one that
+    only prefills for another)."""
+    candidates = [
+        i.instance_id for i in instances_of(state, model_id) if is_serving(state, i) and i.prefill_for is None
+    ]
     if not candidates:
         return None
     return min(candidates, key=lambda instance_id: (open_task_count(state, instance_id), instance_id))

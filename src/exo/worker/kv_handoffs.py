@@ -4,15 +4,19 @@ once it is in; the prefill runner serves such asks beside its own requests. Both
 driven by the runner's stepping thread: `poll` takes what the socket threads queued,
 so the engine is only ever touched from that thread."""
 
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 
 from loguru import logger
 
 from exo.engine.kv_handoff import HandoffEngine, PartSink
 from exo.engine.kv_wire import FetchEnd, IncomingHandoff, KvFetch, KvServer
+from exo.shared.cluster_secret import secret_from_env
 from exo.shared.types.common import CommandId
+from exo.shared.types.instances import Instance
 from exo.shared.types.text_generation import ChunkGenerated, KvHandoffStats, TextGenerationTaskParams
 
 
@@ -44,6 +48,9 @@ class DecodeHandoffs:
     @property
     def pending(self) -> bool:
         return bool(self._waiting)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
 
     def start(self, command_id: CommandId, params: TextGenerationTaskParams) -> bool:
         """Ask for the request's KV if it is worth it; False: submit it at once."""
@@ -107,9 +114,14 @@ class PrefillService:
     def serving(self) -> bool:
         return bool(self._serving)
 
-    def poll(self) -> None:
+    def poll(self, ready: bool = True) -> None:
+        """Start what was asked; until the engine is `ready`, refuse it (the decode side
+        then prefills itself)."""
         while not self.server.incoming.empty():
             incoming = self.server.incoming.get_nowait()
+            if not ready:
+                incoming.fail("the prefill runner is not ready yet")
+                continue
             self._count += 1
             request_id = CommandId(f"kv-handoff-{self._count}")
             try:
@@ -138,3 +150,67 @@ class PrefillService:
         for incoming, _ in self._serving.values():
             incoming.fail("the prefill runner stopped")
         self._serving.clear()
+
+
+def _host_and_port(host: str) -> tuple[str, int]:
+    address, _, port = host.rpartition(":")
+    return address.strip("[]"), int(port)
+
+
+class RunnerHandoffs:
+    """A runner's part in disaggregated serving, as its instance says: asking the prefill
+    runner for long prompts' KV (`instance.prefill`), or prefilling for another instance
+    (`instance.prefill_for`). The socket threads wake the runner when it waits idle."""
+
+    def __init__(self, instance: Instance, engine: HandoffEngine) -> None:
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._wake_writer.setblocking(False)
+        secret = secret_from_env()
+        self.decode: DecodeHandoffs | None = None
+        self.prefill: PrefillService | None = None
+        if instance.prefill is not None:
+            address = _host_and_port(instance.prefill.host)
+            self.decode = DecodeHandoffs(engine, address, secret, instance.prefill.min_tokens, self.wake)
+        if instance.prefill_for is not None:
+            self.prefill = PrefillService(engine, KvServer("", instance.prefill_for.port, secret, self.wake))
+
+    def wake(self) -> None:
+        try:
+            self._wake_writer.send(b"w")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is already waiting
+
+    def wait(self, conn: Connection) -> None:
+        """Until an instruction arrives on `conn` or a socket thread wakes the runner."""
+        wait([conn, self._wake_reader])
+        try:
+            while self._wake_reader.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for their KV."""
+        return len(self.decode) if self.decode is not None else 0
+
+    def start(self, command_id: CommandId, params: TextGenerationTaskParams) -> bool:
+        return self.decode is not None and self.decode.start(command_id, params)
+
+    def poll(self, ready: bool) -> list[tuple[CommandId, TextGenerationTaskParams]]:
+        """Handoffs asked of this runner started; the requests whose KV came (or will
+        not), to submit now."""
+        if self.prefill is not None:
+            self.prefill.poll(ready)
+        return self.decode.poll() if self.decode is not None else []
+
+    def finished(self, chunk: ChunkGenerated) -> bool:
+        return self.prefill is not None and self.prefill.finished(chunk)
+
+    def cancel(self, command_id: CommandId) -> bool:
+        return self.decode is not None and self.decode.cancel(command_id)
+
+    def close(self) -> None:
+        if self.prefill is not None:
+            self.prefill.close()

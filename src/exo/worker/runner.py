@@ -14,6 +14,7 @@ from pathlib import Path
 from loguru import logger
 
 from exo.engine.base import Engine
+from exo.engine.kv_handoff import HandoffEngine
 from exo.shared.types.common import CommandId, RunnerId, TaskId
 from exo.shared.types.events import RunnerStatusUpdated, TaskStatusUpdated
 from exo.shared.types.instances import EngineKind, Instance
@@ -35,6 +36,7 @@ from exo.shared.types.runners import (
 from exo.shared.types.tasks import TaskStatus, TextGenerationTask
 from exo.shared.types.text_generation import ChunkGenerated
 from exo.worker.chunk_coalescing import HeldChunks
+from exo.worker.kv_handoffs import RunnerHandoffs
 from exo.worker.runner_protocol import (
     BecomeRunner,
     CancelRunnerTask,
@@ -86,6 +88,12 @@ class Runner:
         # From the usage of the requests it finished; reported with the load.
         self.prefix_cache = PrefixCacheStats()
         self.chunks = HeldChunks(self.conn.send)
+        # Disaggregated serving, where the instance has a prefill side (engine/kv_handoff.py).
+        self.handoffs = (
+            RunnerHandoffs(instance, engine)
+            if (instance.prefill or instance.prefill_for) and isinstance(engine, HandoffEngine)
+            else None
+        )
 
     def set_status(self, status: RunnerStatus) -> None:
         self.conn.send(RunnerStatusUpdated(runner_id=self.runner_id, status=status))
@@ -94,14 +102,18 @@ class Runner:
         self.set_status(RunnerIdle())
         while not self.following:
             # Block for instructions only when idle; while generating, take what has
-            # arrived and keep stepping.
-            while not self.engine.has_work or self.conn.poll():
-                instruction: RunnerInstruction = self.conn.recv()
-                if not self.handle(instruction):
-                    return
-                if self.following:
-                    break
-            else:
+            # arrived and keep stepping. A KV handoff's socket may wake an idle runner
+            # instead: it steps (generate_step takes what the handoffs brought).
+            if self.conn.poll() or not self.engine.has_work:
+                if self.handoffs is not None and not self.conn.poll():
+                    self.handoffs.wait(self.conn)
+                if self.handoffs is None or self.conn.poll():
+                    if not self.handle(self.conn.recv()):
+                        return
+                    continue
+            if self.handoffs is not None:
+                self._poll_handoffs()
+            if self.engine.has_work:
                 self.generate_step()
         # A follower's steps block in collectives until rank 0 leads the next one;
         # rank 0 also tells it when to shut down.
@@ -115,6 +127,8 @@ class Runner:
 
     def _shut_down(self) -> None:
         self.set_status(RunnerShuttingDown())
+        if self.handoffs is not None:
+            self.handoffs.close()
         self.engine.close()
         self.set_status(RunnerShutdown())
 
@@ -191,7 +205,9 @@ class Runner:
                 self._report_load()
             case SubmitTask(task=TextGenerationTask(task_id=task_id, command_id=command_id, params=params)):
                 try:
-                    self.engine.submit(command_id, params)
+                    # A long prompt waits for its KV from the prefill runner, then is submitted.
+                    if self.handoffs is None or not self.handoffs.start(command_id, params):
+                        self.engine.submit(command_id, params)
                 except Exception as error:  # a bad prompt fails its request, not the runner
                     logger.exception("submit failed")
                     # A ValueError is the input's (a processor refusing an image); others are ours.
@@ -204,7 +220,8 @@ class Runner:
             case CancelRunnerTask(task_id=task_id):
                 for command_id, active_task_id in list(self.active.items()):
                     if active_task_id == task_id:
-                        self.engine.cancel(command_id)
+                        if self.handoffs is None or not self.handoffs.cancel(command_id):
+                            self.engine.cancel(command_id)
                         del self.active[command_id]
                         self.chunks.forget(command_id)
                         self.conn.send(ChunkGenerated(command_id=command_id, finish_reason="cancelled"))
@@ -215,8 +232,24 @@ class Runner:
                 return False
         return True
 
+    def _poll_handoffs(self) -> None:
+        """Start the prefills other runners asked for; submit the requests whose KV came."""
+        assert self.handoffs is not None
+        for command_id, params in self.handoffs.poll(self.ready):
+            task_id = self.active.get(command_id)
+            if task_id is None:
+                continue  # cancelled meanwhile
+            try:
+                self.engine.submit(command_id, params)
+            except Exception as error:
+                logger.exception("submit failed")
+                del self.active[command_id]
+                self._fail(task_id, command_id, f"could not start generation: {error}", isinstance(error, ValueError))
+
     def generate_step(self) -> None:
         for chunk in self.engine.step():
+            if self.handoffs is not None and self.handoffs.finished(chunk):
+                continue  # a prefill for another runner
             self.chunks.put(chunk)
             if chunk.finish_reason is not None:
                 if chunk.stats is not None:
@@ -259,6 +292,7 @@ class Runner:
         when they change (a request came or left): the status rides the usual runner ->
         worker -> event way into State."""
         running, queued = self.engine.request_counts
+        running += self.handoffs.waiting if self.handoffs is not None else 0
         memory = self.engine.memory
         if running == 0 and queued == 0:
             status: RunnerStatus = RunnerReady(

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from exo.api import peer_files, peer_images
 from exo.api.errors import ApiError
 from exo.api.instance_watch import watch_instances
-from exo.api.placing import card_or_404, place_model_when_settled, planned_instance
+from exo.api.placing import card_or_404, place_disaggregated_model, place_model_when_settled, planned_instance
 from exo.api.port import ClusterDep, ClusterPort
 from exo.master.placement import PlacementPreview, instance_previews, instance_problem
 from exo.shared.models.model_cards import ModelCard
@@ -38,6 +38,11 @@ class PlaceInstanceRequest(BaseModel):
     context_length: int | None = Field(None, ge=1)
     # A draft model for speculative decoding; the card's draft_model by default.
     draft_model: str | None = None
+    # Disaggregated serving: the model whole on both nodes, decode_node_id serving it and
+    # prefill_node_id prefilling its prompts of prefill_min_tokens or more (512 by default).
+    prefill_node_id: str | None = None
+    decode_node_id: str | None = None
+    prefill_min_tokens: int | None = Field(None, ge=1)
 
 
 class CreateInstanceRequest(BaseModel):
@@ -161,6 +166,22 @@ def link_probe(size: int = Query(0, ge=0, le=MAX_PROBE_BYTES)) -> Response:
 
 @router.post("/place_instance")
 async def post_place_instance(cluster: ClusterDep, body: PlaceInstanceRequest) -> InstanceCommandResponse:
+    if body.prefill_node_id is not None or body.decode_node_id is not None:
+        if body.prefill_node_id is None or body.decode_node_id is None:
+            raise ApiError(400, "give both prefill_node_id and decode_node_id", code="invalid_request")
+        command = place_disaggregated_model(
+            cluster,
+            body.model_id,
+            body.prefill_node_id,
+            body.decode_node_id,
+            body.context_length,
+            body.prefill_min_tokens,
+        )
+        return InstanceCommandResponse(
+            message=f"placing {body.model_id}, prefilled on {body.prefill_node_id}",
+            command_id=command.command_id,
+            instance_id=command.instance.instance_id,
+        )
     command = await place_model_when_settled(
         cluster, body.model_id, body.sharding, body.min_nodes, body.context_length, body.draft_model
     )

@@ -30,6 +30,25 @@ class ShardAssignments(FrozenModel):
     node_to_runner: dict[NodeId, RunnerId]
 
 
+class PrefillPlacement(FrozenModel):
+    """Disaggregated serving (issue 36): the instance whose runner, on another node and
+    holding the same model whole, prefills this one's long prompts, at `host` ("ip:port",
+    the address this instance's node reaches it at); prompts with at least `min_tokens`
+    tokens left to prefill go there."""
+
+    instance_id: InstanceId
+    host: str
+    min_tokens: int
+
+
+class PrefillFor(FrozenModel):
+    """On an instance that prefills for another (which takes no requests of its own): that
+    instance, and the port its runner takes KV handoffs on."""
+
+    instance_id: InstanceId
+    port: int
+
+
 class Instance(FrozenModel):
     instance_id: InstanceId
     sharding: Sharding
@@ -44,6 +63,10 @@ class Instance(FrozenModel):
     # A smaller model with the same tokenizer that rank 0 loads beside its shard to
     # propose tokens for speculative decoding (the card's draft_model, or the placement's).
     draft_model: ModelId | None = None
+    # Disaggregated serving: where this instance's long prompts prefill, or which
+    # instance this one prefills for (None: neither).
+    prefill: PrefillPlacement | None = None
+    prefill_for: PrefillFor | None = None
 
     @property
     def model_id(self) -> ModelId:
