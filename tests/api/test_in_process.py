@@ -14,10 +14,11 @@ import httpx
 from exo.api.app import create_app
 from exo.catalog.cards import builtin_cards
 from exo.shared.types.commands import Command, TaskFinished, TextGeneration
-from exo.shared.types.common import CommandId
+from exo.shared.types.common import CommandId, NodeId
 from exo.shared.types.events import RunnerStatusUpdated
 from exo.shared.types.runners import RunnerReady, RunnerShutdown
 from exo.shared.types.text_generation import ChunkGenerated, Usage
+from exo.worker.link_probes import measure_link
 from tests.support.fake_cluster import FakeCluster
 
 MODEL = "mlx-community/Qwen3.5-2B-MLX-8bit"
@@ -222,3 +223,14 @@ def test_when_no_instance_comes_back_the_request_gets_a_503_with_retry_after():
         assert response.json()["type"] == "error" and response.json()["error"]["type"] == "overloaded_error"
 
     run(test, reroute_seconds=0.5, auto_place=False)
+
+
+def test_a_link_probe_is_streamed_whole_and_timed():
+    async def test(cluster: FakeCluster, client: httpx.AsyncClient) -> None:
+        for size in (0, 1, 65_536, 100_001):
+            response = await client.get("/link_probe", params={"size": size})
+            assert response.content == bytes(size) and response.headers["content-length"] == str(size)
+        connection = await measure_link(client, NodeId("node-b"), cluster.state.nodes[cluster.node_id], "127.0.0.1")
+        assert connection is not None and connection.bandwidth_mbps is not None and connection.bandwidth_mbps > 0
+
+    run(test)

@@ -44,9 +44,13 @@ async def measure_link(client: httpx.AsyncClient, source: NodeId, peer: NodeInfo
             if response.status_code != 200 or response.json() != peer.node_id:
                 return None
         started = time.perf_counter()
-        response = await client.get(f"{base}/link_probe", params={"size": BANDWIDTH_PROBE_BYTES})
+        # Counted as it arrives, not held: this runs every few seconds for every peer.
+        received = 0
+        async with client.stream("GET", f"{base}/link_probe", params={"size": BANDWIDTH_PROBE_BYTES}) as response:
+            async for chunk in response.aiter_raw():
+                received += len(chunk)
         elapsed = time.perf_counter() - started
-        if response.status_code != 200 or len(response.content) != BANDWIDTH_PROBE_BYTES:
+        if response.status_code != 200 or received != BANDWIDTH_PROBE_BYTES:
             return None
     except (httpx.HTTPError, ValueError):
         return None

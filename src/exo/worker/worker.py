@@ -174,9 +174,10 @@ class Worker:
     async def _let_the_spare_go(self) -> None:
         """A node that has no runner to start soon after it starts keeps no spare."""
         await asyncio.sleep(SPARE_RUNNER_SECONDS)
-        if self.spare is not None:
-            self.spare.close()
-            self.spare = None
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            spare.close()
+            await asyncio.to_thread(spare.process.join, 10)  # no zombie left
 
     async def _measure_speed(self) -> None:
         await asyncio.sleep(SPEED_PROBE_DELAY_SECONDS)

@@ -156,12 +156,21 @@ def delete_custom_model_card(cluster: ClusterDep, model_id: str) -> CommandRespo
 
 
 MAX_PROBE_BYTES = 64 * 2**20
+PROBE_CHUNK = bytes(64 * 2**10)
 
 
 @router.get("/link_probe")
-def link_probe(size: int = Query(0, ge=0, le=MAX_PROBE_BYTES)) -> Response:
-    """Bytes for other nodes to time: how they measure the bandwidth of the link to us."""
-    return Response(content=bytes(size), media_type="application/octet-stream")
+async def link_probe(size: int = Query(0, ge=0, le=MAX_PROBE_BYTES)) -> StreamingResponse:
+    """Bytes for other nodes to time: how they measure the bandwidth of the link to us.
+    Sent from one small block: every peer probes every few seconds, and a whole body
+    per probe moved this node's memory by megabytes at a time."""
+
+    async def zeros() -> AsyncIterator[bytes]:
+        for start in range(0, size, len(PROBE_CHUNK)):
+            yield PROBE_CHUNK[: size - start]
+
+    headers = {"Content-Length": str(size)}
+    return StreamingResponse(zeros(), media_type="application/octet-stream", headers=headers)
 
 
 @router.post("/place_instance")
