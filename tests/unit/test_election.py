@@ -1,4 +1,8 @@
-from exo.routing.election import choose_master, master_to_follow
+import asyncio
+import time
+
+from exo.routing.election import Election, choose_master, master_to_follow
+from exo.routing.router import Router, Topic
 from exo.shared.types.common import NodeId
 from exo.shared.types.election import Heartbeat
 
@@ -58,3 +62,30 @@ def test_a_joining_node_does_not_follow_a_master_another_candidate_beats():
     assert master_to_follow(own, master, [master, senior]) is None
     forced = candidate("new", started_at=9000.0, force_master=True)
     assert master_to_follow(forced, master, [master]) is None
+
+
+def test_a_master_back_as_a_new_process_within_the_peer_timeout_is_replaced():
+    """It comes back younger than the others and with no master running: the others
+    must hold a round, not go on following it."""
+
+    async def scenario() -> list[NodeId]:
+        router = Router(NodeId("me"))
+        router.start()
+        elected: list[NodeId] = []
+
+        async def on_elected(master_id: NodeId) -> None:
+            elected.append(master_id)
+
+        election = Election(NodeId("me"), "session-me", router, on_elected)
+        running = asyncio.create_task(election.run())
+        old = candidate("a", session_id="a-1", started_at=1.0)
+        new = candidate("a", session_id="a-2", started_at=time.time() + 100)
+        try:
+            for heartbeat in [old] * 6 + [new] * 6:
+                router.publish(Topic.ELECTION, heartbeat)
+                await asyncio.sleep(0.5)
+        finally:
+            running.cancel()
+        return elected
+
+    assert asyncio.run(scenario()) == ["a", "me"]

@@ -102,8 +102,14 @@ class Election:
             heartbeat: Heartbeat = await self._heartbeats.get()
             if heartbeat.node_id == self.node_id:
                 continue
+            known = self._peers.get(heartbeat.node_id)
             if heartbeat.node_id not in self.alive_nodes():
                 logger.info(f"election: node {heartbeat.node_id} joined")
+                self._membership_changed.set()
+            elif known is not None and known[0].session_id != heartbeat.session_id:
+                # Back within the peer timeout, as a new process: with a new seniority,
+                # and no master running if it was the master.
+                logger.info(f"election: node {heartbeat.node_id} restarted")
                 self._membership_changed.set()
             self._peers[heartbeat.node_id] = (heartbeat, time.monotonic())
             if self.master_id is None:
