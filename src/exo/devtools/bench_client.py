@@ -38,6 +38,11 @@ class Measured:
     last_at: float = 0.0
     # A streamed answer whose tokens after the first all came in one event.
     burst: bool = False
+    # Disaggregated serving: the KV's bytes on the wire, seconds from asking for it to
+    # having it all, and the prefill node's own seconds (generation_stats.kv_handoff).
+    kv_bytes: int = 0
+    kv_seconds: float = 0.0
+    kv_prefill_seconds: float = 0.0
 
     @property
     def ttft(self) -> float:
@@ -77,6 +82,9 @@ class Round:
             "decode_tps": sum(r.decode_tps for r in self.requests) / count,
             "aggregate_tps": self.aggregate_tps,
             "proposals_kept": _kept(self.requests),
+            "kv_bytes": round(sum(r.kv_bytes for r in self.requests) / count),
+            "kv_s": sum(r.kv_seconds for r in self.requests) / count,
+            "kv_prefill_s": sum(r.kv_prefill_seconds for r in self.requests) / count,
         }
 
 
@@ -121,6 +129,10 @@ def stream_chat(url: str, body: dict[str, Any], headers: dict[str, str] | None =
             event = json.loads(line[len("data: ") :])
             if "error" in event:
                 raise RuntimeError(f"{url}: {event['error']}")
+            handoff = (event.get("generation_stats") or {}).get("kv_handoff")
+            if handoff:
+                measured.kv_bytes, measured.kv_seconds = handoff["bytes"], handoff["seconds"]
+                measured.kv_prefill_seconds = handoff["prefill_seconds"]
             usage = event.get("usage")
             if usage:
                 measured.tokens = usage["completion_tokens"]

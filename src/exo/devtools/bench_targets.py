@@ -26,6 +26,9 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from exo.devtools.bench_client import Measured, Round, chat_body, concurrent_round
 
 PLACEMENTS = {"single": ("Pipeline", 1), "pipeline": ("Pipeline", 2), "tensor": ("Tensor", 2)}
+# Disaggregated serving (issue 36): prefill on the node whose URL the bench talks to,
+# decode on another; and the model whole on either node alone, to compare with.
+NODE_PLACEMENTS = ("disaggregated", "prefill-node", "decode-node")
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -58,10 +61,14 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def loopback_nodes(count: int, scratch: Path, models_dir: Path | None, engine: str | None) -> Iterator[str]:
+def loopback_nodes(
+    count: int, scratch: Path, models_dir: Path | None, engine: str | None, cpus: list[str] | None = None
+) -> Iterator[str]:
     """`count` exo nodes on 127.0.0.1, each with its own home, joined by bootstrap peers
     (no multicast), running `engine` if given (else the node's default); yields the
-    first node's API URL once all see each other."""
+    first node's API URL once all see each other. `cpus[i]` (taskset's list, "0-1")
+    pins node i and its runners to those cores (and llama.cpp to as many threads): a
+    mixed cluster simulated on one machine."""
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     processes: list[subprocess.Popen[bytes]] = []
     listen_ports: list[int] = []
@@ -77,6 +84,10 @@ def loopback_nodes(count: int, scratch: Path, models_dir: Path | None, engine: s
             if listen_ports:
                 args += ["--bootstrap-peers", ",".join(f"tcp/127.0.0.1:{p}" for p in listen_ports)]
             env = {**os.environ, "EXO_HOME": str(home)}
+            if cpus is not None:
+                # OpenBLAS keeps its one thread (engine/mlx/blas.py: more spin beside MLX's).
+                args = ["taskset", "-c", cpus[index], *args]
+                env["EXO_LLAMACPP_THREADS"] = str(len(_cpu_list(cpus[index])))
             if models_dir is not None:
                 env["EXO_MODELS_DIRS"] = str(models_dir)
             if engine is not None:
@@ -105,6 +116,14 @@ def _wait_for(url: str, ready: Any, what: str, timeout: float = 120) -> None:
             return
         time.sleep(0.25)
     raise RuntimeError(f"timed out waiting for {what}")
+
+
+def _cpu_list(spec: str) -> list[int]:
+    cores: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cores += range(int(first), int(last or first) + 1)
+    return cores
 
 
 @dataclass
@@ -136,18 +155,52 @@ class ExoTarget:
             if _instance_model(instance) == self.model:
                 httpx.delete(f"{self.url}/instance/{instance_id}", headers=self.headers, timeout=30)
         _wait_for(self.url, lambda s: not any(_instance_model(i) == self.model for i in s["instances"].values()), "old")
-        sharding, min_nodes = PLACEMENTS[self.placement]
-        body = {"model_id": self.model, "sharding": sharding, "min_nodes": min_nodes}
-        response = httpx.post(self.url + "/place_instance", json=body, headers=self.headers, timeout=60)
-        response.raise_for_status()
-        self.instance_id = response.json()["instance_id"]
-        params = {"instance_id": self.instance_id}
+        self.instance_id = self._place()
+        self._await(self.instance_id)
+        # A prefill instance placed with it serves too before the rounds start.
+        state = httpx.get(self.url + "/state", headers=self.headers, timeout=30).json()
+        for instance_id, instance in state["instances"].items():
+            if (instance.get("prefillFor") or {}).get("instanceId") == self.instance_id:
+                self._await(instance_id)
+
+    def _await(self, instance_id: str) -> None:
+        params = {"instance_id": instance_id}
         with httpx.stream(
             "GET", self.url + "/instance/await", params=params, headers=self.headers, timeout=1800
         ) as events:
             last = [line for line in events.iter_lines() if line.startswith("event:")][-1]
         if last != "event: ready":
             raise RuntimeError(f"{self.name}: the instance did not become ready ({last})")
+
+    def _place(self) -> str:
+        if self.placement in NODE_PLACEMENTS:
+            return self._place_on_nodes()
+        sharding, min_nodes = PLACEMENTS[self.placement]
+        body = {"model_id": self.model, "sharding": sharding, "min_nodes": min_nodes}
+        response = httpx.post(self.url + "/place_instance", json=body, headers=self.headers, timeout=60)
+        response.raise_for_status()
+        return response.json()["instance_id"]
+
+    def _place_on_nodes(self) -> str:
+        """Prefill on this URL's node and decode on another (every prompt of a token or
+        more prefilled there), or the model whole on one of the two alone."""
+        prefill = httpx.get(self.url + "/node_id", headers=self.headers, timeout=30).json()
+        state = httpx.get(self.url + "/state", headers=self.headers, timeout=30).json()
+        decode = next(node_id for node_id in sorted(state["nodes"]) if node_id != prefill)
+        if self.placement == "disaggregated":
+            body = {"model_id": self.model, "prefill_node_id": prefill, "decode_node_id": decode}
+            response = httpx.post(
+                self.url + "/place_instance", json={**body, "prefill_min_tokens": 1}, headers=self.headers, timeout=60
+            )
+            response.raise_for_status()
+            return response.json()["instance_id"]
+        node = prefill if self.placement == "prefill-node" else decode
+        params = {"model_id": self.model, "sharding": "Pipeline"}
+        previews = httpx.get(self.url + "/instance/previews", params=params, headers=self.headers, timeout=60).json()
+        instance = next(p["instance"] for p in previews if p["nodeIds"] == [node] and p.get("instance"))
+        response = httpx.post(self.url + "/instance", json={"instance": instance}, headers=self.headers, timeout=60)
+        response.raise_for_status()
+        return response.json()["instance_id"]
 
     def round(self, messages: list[list[dict[str, str]]], max_tokens: int, banned: list[int]) -> Round:
         bodies = [chat_body(self.model, m, max_tokens, banned) for m in messages]

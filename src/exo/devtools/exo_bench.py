@@ -7,6 +7,8 @@ mlx_lm.server for MLX nodes, llama.cpp (exo's GGUF of the same dir) for llama.cp
     exo-bench --placements single,pipeline,tensor --side-by-side --json out.json
     exo-bench --model-dir ~/models/org--name     # real weights, nodes started here
     exo-bench --url http://host:52415 --model org/name --eos-ids 2   # an existing cluster
+    exo-bench --placements decode-node,prefill-node,disaggregated --pp 8192 --node-cpus 0-1/1
+        # prefill on node 0, decode on node 1 (issue 36): TTFT, the KV's bytes and seconds
 
 Every cell of the sweep (pp x tg x concurrency x prefix-cache) sends `concurrency`
 greedy chat requests at once, each a prompt of about pp tokens, decoding exactly tg
@@ -32,7 +34,15 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from exo.devtools.bench_client import Round, messages_for, words_for_tokens
-from exo.devtools.bench_targets import ExoTarget, RawLlamaCppTarget, RawTarget, ServerTarget, loopback_nodes
+from exo.devtools.bench_targets import (
+    NODE_PLACEMENTS,
+    PLACEMENTS,
+    ExoTarget,
+    RawLlamaCppTarget,
+    RawTarget,
+    ServerTarget,
+    loopback_nodes,
+)
 from exo.devtools.tiny_models import make_tiny_llama
 
 TINY_ID = "bench/tiny-llama"
@@ -75,7 +85,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tg", type=_ints, default=[64], help="generated tokens, comma-separated")
     parser.add_argument("--concurrency", type=_ints, default=[1, 8], help="requests at once, comma-separated")
     parser.add_argument("--prefix-cache", default="off", help="on, off or on,off")
-    parser.add_argument("--placements", default="single", help="single, pipeline, tensor (comma-separated)")
+    parser.add_argument(
+        "--placements",
+        default="single",
+        help="single, pipeline, tensor, disaggregated (prefill on the first node, decode on another), "
+        "prefill-node, decode-node (the model whole on that node alone); comma-separated",
+    )
+    parser.add_argument(
+        "--node-cpus",
+        help="the cores of each node started here, /-separated taskset lists (0-1/0: node 0 on both "
+        "cores, node 1 on one), with as many BLAS threads: a mixed cluster on one machine",
+    )
     parser.add_argument(
         "--side-by-side",
         action="store_true",
@@ -98,8 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.prefix_cache = [p for p in args.prefix_cache.split(",") if p]
     args.placements = [p for p in args.placements.split(",") if p]
-    if set(args.prefix_cache) - {"on", "off"} or set(args.placements) - {"single", "pipeline", "tensor"}:
-        parser.error("--prefix-cache takes on/off, --placements single/pipeline/tensor")
+    if set(args.prefix_cache) - {"on", "off"} or set(args.placements) - {*PLACEMENTS, *NODE_PLACEMENTS}:
+        parser.error("--prefix-cache takes on/off, --placements " + "/".join([*PLACEMENTS, *NODE_PLACEMENTS]))
+    args.node_cpus = args.node_cpus.split("/") if args.node_cpus else None
     if args.url and not args.model:
         parser.error("--url needs --model")
     if args.side_by_side and args.url and not args.model_dir:
@@ -203,6 +224,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if other and base != target:
                 found.append(_ratio(f"{target} vs {base} (aggregate)", cell, row, other, "aggregate_tps"))
                 found.append(_texts_match(f"{target} vs {base}", cell, row, other))
+        found += _disaggregation_ratios(by_key, target, (pp, tg, conc, prefix), cell, row)
         if "cold_ttft_s" in row:
             found.append(
                 {
@@ -216,6 +238,29 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             found.append(
                 {"what": f"{target}: TTFT prefix off / on", "cell": cell, "ratio": cold["ttft_s"] / row["ttft_s"]}
             )
+    return found
+
+
+def _disaggregation_ratios(
+    by_key: dict[tuple, dict[str, Any]], target: str, key: tuple, cell: str, row: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Disaggregated TTFT against the decode node alone, and against the prefill node's
+    own (its TTFT alone) plus the wait the transfer added past prefill."""
+    prefill, decode = by_key.get(("exo prefill-node", *key)), by_key.get(("exo decode-node", *key))
+    if target != "exo disaggregated":
+        return []
+    found = []
+    if decode:
+        found.append(
+            {"what": "TTFT decode node alone / disaggregated", "cell": cell, "ratio": decode["ttft_s"] / row["ttft_s"]}
+        )
+        found.append(_texts_match("exo disaggregated vs exo decode-node", cell, row, decode))
+    if prefill:
+        transfer = max(row["kv_s"] - row["kv_prefill_s"], 0.0)
+        bound = prefill["ttft_s"] + transfer
+        found.append(
+            {"what": "TTFT disaggregated / (prefill node's + transfer)", "cell": cell, "ratio": row["ttft_s"] / bound}
+        )
     return found
 
 
@@ -238,6 +283,8 @@ def print_table(rows: list[dict[str, Any]], found: list[dict[str, Any]]) -> None
         checks = " ".join(f"{key}={r[key]}" for key in ("identical_to_solo", "warm_equals_cold") if key in r)
         if r.get("proposals_kept") is not None:
             checks += f" kept={r['proposals_kept']:.0%}"
+        if r.get("kv_bytes"):
+            checks += f" kv={r['kv_bytes'] / 1e6:.2f}MB in {r['kv_s']:.3f}s (prefill {r['kv_prefill_s']:.3f}s)"
         print(
             f"{r['target']:<16} {r['pp']:>5} {r['tg']:>4} {r['concurrency']:>2} {r['prefix_cache']:>5}"
             f" {r['prompt_tokens']:>6} {r['cached_tokens']:>6} {r['ttft_s']:>7.3f} {r['prefill_tps']:>9.1f}"
@@ -275,10 +322,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.eos_ids is None:
             args.eos_ids = eos_ids(model_dir) if model_dir is not None else []
         nonce = uuid.uuid4().hex[:6]
-        nodes = max(2 if p != "single" else 1 for p in args.placements)
+        nodes = max([2 if p != "single" else 1 for p in args.placements] + [len(args.node_cpus or [])])
         started = time.time()
         nodes_or_url = (
-            loopback_nodes(nodes, scratch, models_dir, args.engine) if args.url is None else nullcontext(args.url)
+            loopback_nodes(nodes, scratch, models_dir, args.engine, args.node_cpus)
+            if args.url is None
+            else nullcontext(args.url)
         )
         with nodes_or_url as url:
             exo = [ExoTarget(url, args.model, placement, args.api_key) for placement in args.placements]
