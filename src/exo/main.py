@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     # this module again in the child (as __mp_main__), which needs none of them (the API,
     # the master: most of a second of a restarted node's start).
     from exo.worker.hardware import choose_engine, probe
-    from exo.worker.supervisor import SpareRunner
+    from exo.worker.supervisor import SpareRunner, ran_runners
 
     args = parse_args(argv)
     # Before anything starts (transport, election, runners): a second node on a busy port
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     engine, why = choose_engine(args.engine, probe())
     logger.info(f"engine: {engine.value} ({why})")
     # Before the node's own imports: the spare imports its engine meanwhile.
-    spare = None if args.no_worker else SpareRunner(engine, args.verbose)
+    spare = SpareRunner(engine, args.verbose) if not args.no_worker and ran_runners(home) else None
     from exo.node import Node, NodeConfig
 
     config = NodeConfig(

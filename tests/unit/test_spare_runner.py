@@ -4,6 +4,7 @@ never used exits when the worker lets it go."""
 
 import asyncio
 import time
+from pathlib import Path
 
 from exo.catalog.cards import builtin_cards
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
@@ -11,7 +12,7 @@ from exo.shared.types.events import Event, RunnerStatusUpdated
 from exo.shared.types.instances import EngineKind, Instance, ShardAssignments, Sharding
 from exo.shared.types.runners import RunnerIdle
 from exo.shared.types.shards import PipelineShardMetadata
-from exo.worker.supervisor import RunnerSupervisor, SpareRunner
+from exo.worker.supervisor import RunnerSupervisor, SpareRunner, ran_runners, record_runners
 
 RUNNER = RunnerId("runner-a")
 
@@ -55,3 +56,11 @@ def test_a_spare_let_go_exits():
     while spare.process.is_alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert spare.process.exitcode == 0
+
+
+def test_a_spare_is_started_where_the_node_ran_runners_when_it_stopped(tmp_path: Path):
+    assert not ran_runners(tmp_path)  # a fresh node
+    record_runners(tmp_path, [RUNNER])
+    assert ran_runners(tmp_path)
+    record_runners(tmp_path, [])  # its instance was deleted
+    assert not ran_runners(tmp_path)

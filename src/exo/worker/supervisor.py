@@ -3,7 +3,8 @@ crash into RunnerFailed plus a clear error on every stream it was serving."""
 
 import asyncio
 import multiprocessing as mp
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from loguru import logger
@@ -28,11 +29,33 @@ from exo.worker.runner_protocol import (
 MAX_READ = 64
 
 
+def _runners_file(exo_home: Path) -> Path:
+    return exo_home / "data" / "runners"
+
+
+def record_runners(exo_home: Path, runner_ids: Iterable[RunnerId]) -> None:
+    """The runners this node's worker runs, each time they change (not when the node
+    stops): a node that stopped with some starts a spare runner process as it starts
+    again (`ran_runners`)."""
+    path = _runners_file(exo_home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{runner_id}\n" for runner_id in runner_ids))
+
+
+def ran_runners(exo_home: Path) -> bool:
+    try:
+        return bool(_runners_file(exo_home).read_text().strip())
+    except OSError:
+        return False
+
+
 class SpareRunner:
     """A runner process started with the node, before the worker knows what it will run:
     it imports the engine (most of a runner's start) while the node loads its history
     and joins the cluster, so a restarted node's runner is ready sooner. The first
-    runner the worker creates takes it (`RunnerSupervisor(spare=...)`)."""
+    runner the worker creates takes it (`RunnerSupervisor(spare=...)`). Started only
+    where the node ran runners when it stopped (`ran_runners`): elsewhere it would
+    cost a second of CPU and its memory for nothing."""
 
     def __init__(self, engine: EngineKind, verbose: bool) -> None:
         context = mp.get_context("spawn")

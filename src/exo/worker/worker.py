@@ -79,7 +79,7 @@ from exo.worker.planner import (
 from exo.worker.ring_ports import own_ring_host, ring_port_taken
 from exo.worker.runner_protocol import SubmitTask
 from exo.worker.speed_probe import probe_speed
-from exo.worker.supervisor import RunnerSupervisor, SpareRunner
+from exo.worker.supervisor import RunnerSupervisor, SpareRunner, record_runners
 
 NODE_INFO_INTERVAL_SECONDS = 10.0
 DOWNLOAD_REPORT_SECONDS = 1.0
@@ -305,8 +305,10 @@ class Worker:
                     attempt=attempt,
                     spare=spare,
                 )
+                record_runners(self.exo_home, self.supervisors)
             case ShutdownRunner(runner_id=runner_id):
                 supervisor = self.supervisors.pop(runner_id)
+                record_runners(self.exo_home, self.supervisors)
                 await supervisor.shutdown()
                 self.forwarded.pop(runner_id, None)
                 self.exited_at.pop(runner_id, None)
