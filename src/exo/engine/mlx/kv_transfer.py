@@ -1,8 +1,8 @@
 """A request's KV as MLX holds it, sent from a prefill engine to a decode engine
 (engine/kv_handoff.py says how the two halves meet). Each layer's cache is mlx-lm's
 own object, read and written through its `state` (what mlx-lm's save_prompt_cache
-writes): a plain `KVCache` travels as its keys and values for the positions each prefill
-chunk added, every other cache (`RotatingKVCache`'s window, `ArraysCache`'s SSM state,
+writes): a plain `KVCache` (or a `CacheList` of them, DSA's) travels as its keys and
+values for the positions each prefill chunk added, every other cache (`RotatingKVCache`'s window, `ArraysCache`'s SSM state,
 `CacheList`s, DeepSeek V4's compressed branches) as its whole state once prefill ends,
 bounded by its window or its state's size whatever the prompt's length."""
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 
 from exo.engine.kv_handoff import Handoff, LayerPart
 
@@ -74,8 +74,26 @@ def _restore(layer: Any, whole: dict[str, Any]) -> None:
         layer.meta_state = whole["meta"]
 
 
-def _is_plain(layer: Any) -> bool:
-    return type(layer) is KVCache
+def _plain_caches(layer: Any) -> list[KVCache] | None:
+    """The plain KV caches a layer is, which travel by positions: the layer itself, or
+    every cache of a CacheList of them (DSA's attention and indexer keys); None for a
+    layer that travels whole."""
+    if type(layer) is KVCache:
+        return [layer]
+    caches = getattr(layer, "caches", None)
+    if isinstance(layer, CacheList) and caches and all(type(c) is KVCache for c in caches):
+        return list(caches)
+    return None
+
+
+def _positions(caches: list[KVCache], start: int, end: int) -> list[list[mx.array]]:
+    """[keys, values] of each cache for positions [start, end)."""
+    positions = []
+    for cache in caches:
+        keys, values = cache.keys, cache.values
+        assert keys is not None and values is not None
+        positions.append([keys[..., start:end, :], values[..., start:end, :]])
+    return positions
 
 
 class KvExporter:
@@ -90,10 +108,10 @@ class KvExporter:
     def chunk_done(self, cache: list[Any], end: int, last: bool) -> None:
         start = self.sent_until
         for index, layer in enumerate(cache):
-            if _is_plain(layer) and start < end:
-                keys, values = layer.keys[..., start:end, :], layer.values[..., start:end, :]
-                self._send(LayerPart(index, start, end, False, pack([keys, values])))
-            elif last and not _is_plain(layer):
+            plain = _plain_caches(layer)
+            if plain is not None and start < end:
+                self._send(LayerPart(index, start, end, False, pack(_positions(plain, start, end))))
+            elif last and plain is None:
                 self._send(LayerPart(index, 0, end, True, pack(_whole_state(layer))))
         self.sent_until = max(start, end)
 
@@ -112,16 +130,18 @@ class KvAssembler:
         self.handoff = handoff
         self.cache = fresh
         self.bytes_received = 0
-        self._slices: dict[int, list[tuple[mx.array, mx.array]]] = {}
+        # Per plain layer: its chunks of positions, each [keys, values] per cache of it.
+        self._chunks: dict[int, list[list[list[mx.array]]]] = {}
         self._whole: set[int] = set()
         for index, layer in enumerate(fresh):
-            if not _is_plain(layer):
+            if _plain_caches(layer) is None:
                 continue
-            self._slices[index] = []
+            self._chunks[index] = []
             if handoff.skip > 0:
                 assert held is not None
-                kept = held[index]
-                self._slices[index].append((kept.keys[..., : handoff.skip, :], kept.values[..., : handoff.skip, :]))
+                kept = _plain_caches(held[index])
+                assert kept is not None
+                self._chunks[index].append(_positions(kept, 0, handoff.skip))
 
     @property
     def length(self) -> int:
@@ -135,25 +155,27 @@ class KvAssembler:
             _restore(self.cache[part.layer], state)
             self._whole.add(part.layer)
             return
-        slices = self._slices[part.layer]
-        have = sum(keys.shape[2] for keys, _ in slices)
+        chunks = self._chunks[part.layer]
+        have = sum(chunk[0][0].shape[2] for chunk in chunks)
         if part.start != have:
             raise ValueError(f"layer {part.layer}: positions from {part.start} came after {have}")
-        slices.append((state[0], state[1]))
+        chunks.append(state)
 
     def finish(self) -> list[Any]:
         """The assembled cache; raises ValueError when a part is missing."""
         for index, layer in enumerate(self.cache):
-            if not _is_plain(layer):
+            plain = _plain_caches(layer)
+            if plain is None:
                 if index not in self._whole:
                     raise ValueError(f"layer {index}'s state never came")
                 continue
-            slices = self._slices[index]
-            keys = mx.concatenate([k for k, _ in slices], axis=2) if slices else None
-            values = mx.concatenate([v for _, v in slices], axis=2) if slices else None
-            held = 0 if keys is None else keys.shape[2]
-            if held != self.length:
-                raise ValueError(f"layer {index} holds {held} positions of {self.length}")
-            layer.state = (keys, values, held)
+            chunks = self._chunks[index]
+            for which, cache in enumerate(plain):
+                keys = mx.concatenate([chunk[which][0] for chunk in chunks], axis=2) if chunks else None
+                values = mx.concatenate([chunk[which][1] for chunk in chunks], axis=2) if chunks else None
+                held = 0 if keys is None else keys.shape[2]
+                if held != self.length:
+                    raise ValueError(f"layer {index} holds {held} positions of {self.length}")
+                cache.state = (keys, values, held)
         mx.eval([layer.state for layer in self.cache])
         return self.cache
