@@ -190,9 +190,10 @@ class Context:
 
     def restore(self, state: "SequenceState", sequence: int) -> bool:
         """Puts a saved KV into `sequence` (empty before); False when the KV has no room."""
-        return llama_cpp.llama_state_seq_set_data(
-            self.ptr, state.buffer, state.nbytes, llama_cpp.llama_seq_id(sequence)
-        ) != 0
+        return (
+            llama_cpp.llama_state_seq_set_data(self.ptr, state.buffer, state.nbytes, llama_cpp.llama_seq_id(sequence))
+            != 0
+        )
 
     def close(self) -> None:
         if self.ptr:
