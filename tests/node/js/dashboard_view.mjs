@@ -90,6 +90,9 @@ console.log(
     downloads: view.downloadRows(state),
     previews: view.previewRows(state, previews),
     gpuPreviews: view.previewRows(state, [{ ...previews[0], memoryKind: { [nodeId]: "gpu" } }]),
+    disaggregatedOptions: [true, false].map((worthIt) =>
+      view.disaggregatedOption({ ...previews[0], disaggregation: { worthIt, prefillNode: "p", decodeNode: nodeId } }),
+    ),
     disaggregatedPreviews: view.previewRows(state, [
       { ...previews[0], disaggregation: { worthIt: true, prefillNode: nodeId, promptTokens: 8192, ttftAloneSeconds: 4.684, ttftSeconds: 1.337 } },
       { ...previews[0], disaggregation: { worthIt: false, prefillNode: nodeId, promptTokens: 8192, ttftAloneSeconds: 4.684, ttftSeconds: null } },

@@ -3,7 +3,7 @@
 // adding a model from the hub (GET /models/search, POST /models/add, /download/start);
 // the models dirs the nodes found models in.
 import { $, apiError, badge, el, renderInto } from "./dom.mjs";
-import { catalogRows, fitSummary, formatBytes, modelDirs, nodeName, placementOption, previewRows } from "./view.mjs";
+import { catalogRows, disaggregatedOption, fitSummary, formatBytes, modelDirs, nodeName, placementOption, previewRows } from "./view.mjs";
 
 const JSON_HEADERS = { "Content-Type": "application/json" };
 // Previews are asked again when the cluster's nodes or instances change, or after this.
@@ -57,7 +57,10 @@ function message(text) {
 // On the nodes the chosen preview names; /place_instance (the master picks) without one.
 async function place(store, modelId, option) {
   message(`placing ${modelId}…`);
-  const response = option.instance
+  const disaggregated = { model_id: modelId, prefill_node_id: option.prefillNodeId, decode_node_id: option.decodeNodeId };
+  const response = option.prefillNodeId
+    ? await store.api("/place_instance", { method: "POST", headers: JSON_HEADERS, body: JSON.stringify(disaggregated) })
+    : option.instance
     ? await store.api("/instance", { method: "POST", headers: JSON_HEADERS, body: JSON.stringify({ instance: option.instance }) })
     : await store.api("/place_instance", {
         method: "POST",
@@ -127,6 +130,17 @@ function optionsTable(store, row, list) {
                       onclick: () => place(store, row.id, placementOption(list[i])),
                     },
                     "Place",
+                  )
+                : null,
+              disaggregatedOption(list[i])
+                ? el(
+                    "button",
+                    {
+                      class: "small",
+                      title: "decode here, prefill long prompts on the faster node",
+                      onclick: () => place(store, row.id, disaggregatedOption(list[i])),
+                    },
+                    "Place with prefill there",
                   )
                 : null,
             ),

@@ -497,6 +497,14 @@ export function placementOption(preview) {
   return { sharding: preview.sharding, minNodes: preview.nodeIds.length, instance: preview.instance ?? null };
 }
 
+// The same one-node option with its prompts prefilled where placement's rule proposes;
+// null where it proposes none. /place_instance places both sides.
+export function disaggregatedOption(preview) {
+  const plan = preview.disaggregation;
+  if (!plan?.worthIt || !preview.instance) return null;
+  return { prefillNodeId: plan.prefillNode, decodeNodeId: plan.decodeNode };
+}
+
 // One line from a model's /instance/previews: the smallest placement that fits, or why
 // none does (the closest option's reason).
 export function fitSummary(state, previews) {
