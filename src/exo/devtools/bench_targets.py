@@ -377,7 +377,10 @@ class RawLlamaCppTarget:
             measured[stream].first_at = measured[stream].last_at = time.perf_counter()
         for step in range(1, max_tokens):
             batch.clear()
-            rows = [batch.add(out[-1:], len(p) + step - 1, s, True) for s, (p, out) in enumerate(zip(prompts, outputs))]
+            rows = [
+                batch.add(out[-1:], len(p) + step - 1, s, True)
+                for s, (p, out) in enumerate(zip(prompts, outputs, strict=True))
+            ]
             self.context.decode()
             now = time.perf_counter()
             for stream, row in enumerate(rows):

@@ -148,6 +148,16 @@ def place_and_wait(url: str, model_id: str) -> None:
     _wait(lambda: [r["kind"] for r in _state(url)["runners"].values()] == ["RunnerReady"], 120, "the runner")
 
 
+def _wait_for_speed_probe(url: str, env: dict[str, str]) -> None:
+    """The node measures its speed once, in a child process, ~10 s after it starts
+    (worker/speed_probe.py): a one-off that holds a few hundred MB while it runs. The
+    baseline is taken after it, so a probe still running at the end is not read as a leak."""
+    if env.get("EXO_SPEED_PROBE") == "0":
+        return
+    node_id = httpx.get(url + "/node_id", timeout=10).json()
+    _wait(lambda: _state(url)["nodes"][node_id].get("speed") is not None, 180, "the node's speed probe")
+
+
 def _wait(ready, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -230,6 +240,7 @@ def run_load(clients: int, seconds: float, scratch: Path, env_extra: dict[str, s
     process, url = start_node(home, {"EXO_MODELS_DIRS": str(models_dir), **(env_extra or {})})
     try:
         place_and_wait(url, MODEL_ID)
+        _wait_for_speed_probe(url, {**os.environ, **(env_extra or {})})
         # A short warm-up, so the baseline holds what a first request allocates once.
         warm = Tally()
         _client(url, time.monotonic() + 2, warm, seed=-1)

@@ -175,6 +175,11 @@ class KvServer:
         self._notify()
 
     def close(self) -> None:
+        # shutdown first: on Linux, close alone leaves the accept thread blocked for good.
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
 
 
