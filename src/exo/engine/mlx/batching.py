@@ -41,14 +41,32 @@ class Joiner:
 
 
 def _merged(caches: list[list[Any]]) -> list[Any]:
-    """One batched cache per layer from the requests' own (left-padded to one length)."""
-    return [layers[0].merge(list(layers)) for layers in zip(*caches, strict=True)]
+    """One batched cache per layer from the requests' own (left-padded to one length),
+    which it takes: their lists are emptied. Evaluated now, so each layer's sources are
+    freed as its copy is made: only one layer is ever held twice, where merging every
+    layer before freeing any would hold the requests' whole KV twice (memory budget)."""
+    merged = []
+    for index in range(len(caches[0])):
+        layers = [cache[index] for cache in caches]
+        merged.append(layers[0].merge(layers))
+        mx.eval(_arrays(merged[-1]))
+        for cache in caches:
+            cache[index] = None
+    for cache in caches:
+        cache.clear()
+    return merged
+
+
+def _arrays(layer: Any) -> list[mx.array]:
+    """A plain or batched KV cache's arrays (none before its first token)."""
+    return [array for array in (layer.keys, layer.values) if array is not None]
 
 
 def prefill_together(model: nn.Module, caches: list[list[Any]], chunks: list[list[int]]) -> list[list[Any]]:
     """Several requests' prompt chunks in one forward: their caches merged into one
     batch (left-padded to one length), the chunks right-padded to one length, as
-    mlx-lm's BatchGenerator prefills. Returns each request's cache, holding its chunk."""
+    mlx-lm's BatchGenerator prefills. Takes the requests' caches (their lists are
+    emptied) and returns new ones, each holding its chunk."""
     lengths = [len(chunk) for chunk in chunks]
     longest = max(lengths)
     padding = [longest - length for length in lengths]
@@ -60,10 +78,15 @@ def prefill_together(model: nn.Module, caches: list[list[Any]], chunks: list[lis
         model(tokens, cache=merged)
         for layer in merged:
             layer.finalize()
-        caches = [[layer.extract(row) for layer in merged] for row in range(len(chunks))]
-        # Evaluated now, so nothing holds the merged batch's buffers past this step.
-        mx.eval([[layer.state for layer in cache] for cache in caches])
-        return caches
+        # Each layer's rows copied out, then the merged layer freed, one layer at a time;
+        # nothing holds the merged batch past this step.
+        filled: list[list[Any]] = [[] for _ in chunks]
+        for index in range(len(merged)):
+            for row, cache in enumerate(filled):
+                cache.append(merged[index].extract(row))
+            mx.eval([_arrays(cache[-1]) for cache in filled])
+            merged[index] = None
+        return filled
 
 
 class DecodeBatch:
@@ -103,6 +126,12 @@ class DecodeBatch:
                 self._batch = joined
             else:
                 self._batch.extend(joined)
+                # Grown now, a layer at a time, with the joiners' copy held by nothing
+                # else: each layer's old arrays are freed as its new ones are made, where
+                # the next forward would hold the old and new batch whole at once.
+                joined.prompt_cache = []
+                for layer in self._batch.prompt_cache:
+                    mx.eval(_arrays(layer))
         for joiner, uid in zip(joiners, uids, strict=True):
             self._uids[joiner.request_id] = uid
 
