@@ -186,6 +186,7 @@ class Node:
         self.replica.master_id = master_id
         if master_id == self.node_id and self.master is None:
             logger.info(f"node {self.node_id} is now the master")
+            self.replica.start_term()
             self.master = Master(
                 self.node_id, self.router, self.replica, self.election.alive_nodes, self.election.alive_sessions
             )

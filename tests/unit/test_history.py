@@ -292,6 +292,44 @@ def test_a_history_apart_before_the_oldest_event_held_starts_over_from_the_maste
     replica.close()
 
 
+def test_a_master_behind_the_winner_asks_again_for_its_terms_writes_when_it_takes_a_snapshot(
+    tmp_path: Path, card: ModelCard
+):
+    """The losing side's master of a partition, behind the winner when it heals, asks for
+    events the winner has compacted: the winner sends its State, where no event can be
+    compared. The card written in its term is asked for again; a node that was not master
+    takes the same snapshot and asks for nothing (the card the winner lacks may have been
+    deleted there). Before, the term's card was lost: the partition test failed on it."""
+    me, master = NodeId("me"), NodeId("master")
+    masters = random_history(card, 260)
+    minority = card.model_copy(update={"model_id": "acme/minority"})
+    apart: list[Event] = [NodeGatheredInfo(info=node_info(NODE_A))] * 10
+    apart[4] = CustomModelCardAdded(card=minority)
+    ours = [IndexedEvent(idx=120 + i, event=e) for i, e in enumerate(apart)]
+    winner = replay(masters)
+
+    def behind(home: Path, was_master: bool) -> list[object]:
+        router = Router(me)
+        router.master_elected(me)  # commands go out at once, to the queue below
+        commands = router.subscribe(Topic.COMMANDS)
+        replica = StateReplica(router, home, node_id=me)
+        for indexed in masters[:120]:
+            replica.append(indexed)
+        if was_master:
+            replica.start_term()
+        for indexed in ours:
+            replica.append(indexed)
+        replica.master_id = master
+        replica.receive(StateSnapshot(snapshot=winner), master)
+        assert replica.state == winner
+        replica.close()
+        return [commands.get_nowait() for _ in range(commands.qsize())]
+
+    asked = behind(tmp_path / "master", was_master=True)
+    assert [c.card.model_id for c in asked if isinstance(c, AddCustomModelCard)] == ["acme/minority"]
+    assert behind(tmp_path / "follower", was_master=False) == []
+
+
 def test_a_requests_events_are_written_but_not_fsynced(
     tmp_path: Path, card: ModelCard, monkeypatch: pytest.MonkeyPatch
 ):

@@ -53,6 +53,9 @@ class StateReplica:
         # Set when this node's history went apart from the master's before anything it
         # still holds: it keeps serving its State until the master's snapshot replaces it.
         self._starting_over = False
+        # The first event of this node's latest term as master (start_term): what it wrote
+        # from there, the next master lacks if this node led the losing side of a partition.
+        self._term_start: int | None = None
         self._snapshot_idx = max(self.log.snapshot_indices(), default=-1)
         self._snapshot_time = time.monotonic()
         self._changed = asyncio.Event()
@@ -177,18 +180,29 @@ class StateReplica:
         for command in again:
             self.router.publish(Topic.COMMANDS, command)
 
+    def start_term(self) -> None:
+        """This node is the master from its next event on."""
+        self._term_start = self.state.last_event_applied_idx + 1
+
     def _take_snapshot(self, snapshot: State) -> None:
         """The master's State, sent because this node needed events the master no longer
-        holds (or is starting over): taken if it is ahead of this node's."""
+        holds (or is starting over): taken if it is ahead of this node's. A node that was
+        master since (the losing side of a partition, behind the winner) cannot compare
+        histories: it asks again for the users' writes of its term, which the master adds
+        once (an identical card, a download order, are no change)."""
         if snapshot.last_event_applied_idx < 0 or (
             not self._starting_over and snapshot.last_event_applied_idx <= self.state.last_event_applied_idx
         ):
             return
         logger.info(f"taking the master's snapshot at event {snapshot.last_event_applied_idx}")
-        if self._starting_over:
+        again: list[Command] = []
+        if self._starting_over or (self._term_start is not None and self._term_start < self.log.start):
             # Users' writes whose events this node no longer held show in its State.
-            for command in asked_again_from_state(self.state, snapshot, self.node_id):
-                self.router.publish(Topic.COMMANDS, command)
+            again = asked_again_from_state(self.state, snapshot, self.node_id)
+        elif self._term_start is not None:
+            again = asked_again(list(self.log.since(self._term_start)), self.node_id)
+        for command in again:
+            self.router.publish(Topic.COMMANDS, command)
         self._start_over(snapshot)
         while (next_idx := self.state.last_event_applied_idx + 1) in self._early:
             self._accept(self._early.pop(next_idx))
@@ -196,6 +210,7 @@ class StateReplica:
 
     def _start_over(self, state: State) -> None:
         self._starting_over = False
+        self._term_start = None
         self.log.install_snapshot(state)
         self.state = state
         self._snapshot_idx = state.last_event_applied_idx
@@ -254,6 +269,7 @@ class StateReplica:
         )
         self.state = state
         self.log.truncate(indexed.idx)
+        self._term_start = None  # what it wrote before the difference, the master holds
         self._snapshot_idx = max(self.log.snapshot_indices(), default=-1)
         self._early = {i: e for i, e in self._early.items() if i > indexed.idx}
         self._accept(indexed)
