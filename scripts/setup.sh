@@ -146,6 +146,15 @@ fi
 if [ -n "$dry_run" ]; then
   exit 0
 fi
+if [ "$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libgfortran\.so\.5'; then
+  # The OpenBLAS wheel MLX's Linux build is given (engine/mlx/blas.py) links libgfortran;
+  # without it MLX keeps its reference BLAS, ~10x slower at a matmul.
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update && apt-get install -y libgfortran5
+  else
+    echo "MLX keeps its slow reference BLAS without libgfortran5 (apt-get install libgfortran5)" >&2
+  fi
+fi
 if [ "$mode" = test ] && [ ! -x /usr/bin/chromium ]; then
   # The dashboard's browser tests drive Debian's chromium (never a downloaded browser).
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
