@@ -103,3 +103,37 @@ def test_a_decode_side_without_the_secret_gets_no_kv_and_prefills_itself(engines
     assert _stats(chunks).kv_handoff is None
     assert tokens_of(chunks) == alone
     assert len(prefill.scheduler.prefix_cache) == 0  # the prefill side never started it
+
+
+def test_a_cancelled_request_stops_the_prefill_it_asked_for(engines, monkeypatch):
+    """The decode side cancels while the prefill side is partway through: the prefill
+    side sees the hang-up and drops the request without being stepped again, and a
+    later handoff of the same prompt (finding the partial prefill in the prefill side's
+    prefix cache) still answers as a single engine does."""
+    _, prefill, decode = engines
+    params, alone = _fresh(monkeypatch, prefill, decode)
+    set_step_tokens(monkeypatch, prefill, 8)
+    service = PrefillService(prefill, KvServer("127.0.0.1", 0, SECRET, lambda: None))
+    handoffs = DecodeHandoffs(decode, ("127.0.0.1", service.server.port), SECRET, 32, lambda: None)
+    request_id = CommandId("cancelled")
+    assert handoffs.start(request_id, params)
+    deadline = time.monotonic() + 30
+    steps = 0
+    while steps < 3 and time.monotonic() < deadline:  # a few chunks prefilled and sent
+        service.poll()
+        if prefill.has_work:
+            prefill.step()
+            steps += 1
+        time.sleep(0.001)
+    assert steps == 3 and prefill.has_work
+
+    assert handoffs.cancel(request_id)
+    assert not handoffs.pending
+    while prefill.has_work and time.monotonic() < deadline:
+        service.poll()  # never stepped: only the hang-up can end the request
+        time.sleep(0.01)
+    assert not prefill.has_work and not service.serving
+    service.close()
+
+    chunks = _served(prefill, decode, params, SECRET)
+    assert tokens_of(chunks) == alone

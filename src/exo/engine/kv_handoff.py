@@ -84,3 +84,7 @@ class HandoffEngine(Protocol):
     def submit_prefill(self, request_id: CommandId, handoff: Handoff, send: Callable[[LayerPart], None]) -> None:
         """The prefill side: feed the handoff's prompt but its last token, each part to `send`."""
         ...
+
+    def cancel(self, request_id: CommandId) -> None:
+        """Stop a request, a prefill for another engine included."""
+        ...

@@ -107,14 +107,19 @@ def _part_of(plaintext: bytes) -> LayerPart:
 
 class IncomingHandoff:
     """A decode runner's request: the runner feeds `handoff` and calls `send` with each
-    part, then `done` (or `fail`). A thread writes them out in order."""
+    part, then `done` (or `fail`). A thread writes them out in order; another watches
+    the connection, and when the decode side hangs up first (its request was cancelled)
+    `abandoned` is set and `notify` called, so the runner stops the prefill."""
 
-    def __init__(self, sock: socket.socket, seal: _Seal, handoff: Handoff) -> None:
+    def __init__(self, sock: socket.socket, seal: _Seal, handoff: Handoff, notify: Callable[[], None]) -> None:
         self.handoff = handoff
+        self.abandoned = threading.Event()
         self._sock = sock
         self._seal = seal
+        self._notify = notify
         self._frames: queue.Queue[bytes | None] = queue.Queue()
         threading.Thread(target=self._write, daemon=True, name="kv-handoff-out").start()
+        threading.Thread(target=self._watch, daemon=True, name="kv-handoff-watch").start()
 
     def send(self, part: LayerPart) -> None:
         self._frames.put(_PART + part.framed())
@@ -132,9 +137,20 @@ class IncomingHandoff:
             while (frame := self._frames.get()) is not None:
                 _send(self._sock, self._seal.seal(frame))
         except OSError as error:
-            logger.warning(f"KV handoff to a decode runner broke off: {error}")
+            if not self.abandoned.is_set():
+                logger.warning(f"KV handoff to a decode runner broke off: {error}")
         finally:
-            self._sock.close()
+            _hang_up(self._sock)
+
+    def _watch(self) -> None:
+        # The decode side sends nothing after its request: anything read here is its end
+        # of the connection (or our own hang-up, after the last frame, which is ignored).
+        try:
+            self._sock.recv(1)
+        except OSError:
+            pass
+        self.abandoned.set()
+        self._notify()
 
 
 class KvServer:
@@ -171,16 +187,21 @@ class KvServer:
             logger.warning(f"refused a KV handoff request: {error}")
             sock.close()
             return
-        self.incoming.put(IncomingHandoff(sock, seal, handoff))
+        self.incoming.put(IncomingHandoff(sock, seal, handoff, self._notify))
         self._notify()
 
     def close(self) -> None:
-        # shutdown first: on Linux, close alone leaves the accept thread blocked for good.
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
+        _hang_up(self._listener)
+
+
+def _hang_up(sock: socket.socket) -> None:
+    # shutdown first: on Linux, close alone leaves a thread blocked in accept or recv on
+    # the socket for good.
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
 
 # --- the decode side ----------------------------------------------------------------------
@@ -207,7 +228,17 @@ class KvFetch:
         self.started_at = time.perf_counter()
         self.seconds = 0.0
         self._notify = notify
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._closed = False
         threading.Thread(target=self._fetch, args=(address, secret), daemon=True, name="kv-handoff-fetch").start()
+
+    def close(self) -> None:
+        """Hang up (the request was cancelled): the prefill side sees it and stops."""
+        with self._lock:
+            self._closed = True
+            if self._sock is not None:
+                _hang_up(self._sock)
 
     def take(self) -> list[LayerPart | FetchEnd]:
         taken: list[LayerPart | FetchEnd] = []
@@ -223,6 +254,10 @@ class KvFetch:
             with socket.create_connection(address, timeout=30) as sock:
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._sock = sock
                 end = self._exchange(sock, secret)
         except (OSError, HandoffRefused, ValueError) as error:
             end = FetchEnd(error=f"{type(error).__name__}: {error}")

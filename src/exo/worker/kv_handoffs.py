@@ -62,7 +62,11 @@ class DecodeHandoffs:
         return True
 
     def cancel(self, command_id: CommandId) -> bool:
-        return self._waiting.pop(command_id, None) is not None  # its thread ends on its own
+        waiting = self._waiting.pop(command_id, None)
+        if waiting is None:
+            return False
+        waiting.fetch.close()  # the prefill runner sees the hang-up and stops prefilling
+        return True
 
     def poll(self) -> list[tuple[CommandId, TextGenerationTaskParams]]:
         """The requests to submit now: their KV is in, or its fetch failed (they prefill
@@ -115,8 +119,13 @@ class PrefillService:
         return bool(self._serving)
 
     def poll(self, ready: bool = True) -> None:
-        """Start what was asked; until the engine is `ready`, refuse it (the decode side
-        then prefills itself)."""
+        """Start what was asked, and stop what the decode side hung up on; until the
+        engine is `ready`, refuse what is asked (the decode side then prefills itself)."""
+        for request_id, (incoming, _) in list(self._serving.items()):
+            if incoming.abandoned.is_set():
+                logger.info(f"{request_id}: the decode runner hung up, prefill stopped")
+                self.engine.cancel(request_id)
+                del self._serving[request_id]
         while not self.server.incoming.empty():
             incoming = self.server.incoming.get_nowait()
             if not ready:
