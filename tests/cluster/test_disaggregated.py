@@ -1,28 +1,55 @@
 """Disaggregated serving on two real nodes (issue 36): POST /place_instance with a
 prefill node and a decode node places the model whole on both; a long prompt asked of
 the decode instance is prefilled on the other node, its KV streams to the decode node
-sealed with the cluster secret, and the greedy answer is the one a single node gives,
-for a plain KV cache (llama), sliding windows (Gemma 4's 16 tokens) and SSM state
-(Qwen3-Next). The bench endpoint's generation_stats carry the transfer's bytes and
-seconds; the same prompt again finds the decode node's prefix cache and moves nothing."""
+sealed with the cluster secret, and the greedy answer is the one a single node gives.
+Every family whose cache is plain positions (mlx-lm's KVCache, or DeepSeek's CacheList
+of them) is placed in turn on one pair of nodes, and beside them sliding windows
+(Gemma 4's 16 tokens), SSM state (Qwen3-Next) and DeepSeek V4's compressed caches. The
+bench endpoint's generation_stats carry the transfer's bytes and seconds; the same
+prompt again finds the decode node's prefix cache and moves nothing."""
 
 import shutil
 
 import httpx
 import pytest
 
+from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import make_tiny
 from tests.support.cluster import await_ready, loopback_cluster, wait_converged
 from tests.support.node import TINY_MODEL_ID
 
-FAMILIES = {TINY_MODEL_ID: None, "acme/tiny-gemma4": "gemma4_moe", "acme/tiny-qwen3-next": "qwen3_next"}
+# The tiny families whose every layer's cache is a trimmable list of positions; the
+# llama among them is the suite's own tiny model (TINY_MODEL_ID).
+TRIMMABLE = [
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+    "kimi_k25",
+    "minimax",
+    "ministral3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+]
+UNTRIMMABLE = ["gemma4_moe", "qwen3_next", "deepseek_v4"]
+# Those with caches of the same kinds, handed off at the engine level only
+# (tests/unit/test_kv_handoff.py covers every family).
+ENGINE_LEVEL_ONLY = ["llama", "gemma4", "gpt_oss", "step3p5", "nemotron_h", "qwen3_5", "qwen3_5_moe"]
+FAMILIES = {TINY_MODEL_ID: None} | {f"acme/tiny-{family}": family for family in TRIMMABLE + UNTRIMMABLE}
 
 PROMPT = [{"role": "user", "content": "cluster node model token the cat runs over the quiet moon " * 12}]
 
 
+def test_every_tiny_family_is_handed_off_here_or_at_the_engine_level():
+    """A family added to the tiny configs is placed in one of the lists above."""
+    listed = TRIMMABLE + UNTRIMMABLE + ENGINE_LEVEL_ONLY
+    assert sorted(listed) == sorted(TINY_CONFIGS)
+
+
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory, tiny_models_dir):
-    """The tiny llama, and tiny models of the families whose caches cannot be trimmed."""
     models = tmp_path_factory.mktemp("disaggregated_models")
     shutil.copytree(tiny_models_dir, models, dirs_exist_ok=True)
     for model_id, family in FAMILIES.items():
@@ -31,13 +58,25 @@ def models_dir(tmp_path_factory, tiny_models_dir):
     return models
 
 
-@pytest.fixture
-def two_nodes(tmp_path, models_dir):
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory, models_dir):
+    """One pair of nodes for every family: each test leaves the cluster empty."""
     env = {"EXO_MODELS_DIRS": str(models_dir), "EXO_PREFILL_STEP": "16"}
-    with loopback_cluster(2, tmp_path, env, args=("--cluster-secret", "kv handoff test secret")) as nodes:
+    home = tmp_path_factory.mktemp("disaggregated_cluster")
+    with loopback_cluster(2, home, env, args=("--cluster-secret", "kv handoff test secret")) as nodes:
         wait_converged(nodes)
         nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 2, timeout=30, what="links measured")
         yield nodes
+
+
+@pytest.fixture
+def pair(two_nodes):
+    """The two nodes, emptied of instances after the test, whatever became of it."""
+    yield two_nodes
+    node = two_nodes[0]
+    for instance_id in node.state()["instances"]:
+        node.delete(f"/instance/{instance_id}")
+    node.wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=30, what="instances gone")
 
 
 def _bench(node, model_id: str) -> dict:
@@ -64,8 +103,8 @@ def _await(node, response: httpx.Response) -> str:
 
 
 @pytest.mark.parametrize("model_id", list(FAMILIES))
-def test_prefill_on_one_node_and_decode_on_the_other_answers_like_one_node(two_nodes, model_id):
-    prefill_node, decode_node = two_nodes
+def test_prefill_on_one_node_and_decode_on_the_other_answers_like_one_node(pair, model_id):
+    prefill_node, decode_node = pair
     prefill_id, decode_id = prefill_node.node_id(), decode_node.node_id()
     body = {
         "model_id": model_id,
@@ -88,12 +127,22 @@ def test_prefill_on_one_node_and_decode_on_the_other_answers_like_one_node(two_n
     assert handoff["tokens"] == handed["usage"]["prompt_tokens"] - 1
     again = _bench(decode_node, model_id)
     assert again["generation_stats"]["kv_handoff"] is None  # the decode node's prefix cache holds it
-    assert again["choices"][0]["message"]["content"] == handed["choices"][0]["message"]["content"]
+    assert _answer(again) == _answer(handed)
 
-    assert decode_node.delete(f"/instance/{instance_id}").status_code == 200
-    decode_node.wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=30, what="both gone")
-    _await(decode_node, decode_node.post("/place_instance", json={"model_id": model_id}))
+    _delete(decode_node, instance_id)
+    alone_id = _await(decode_node, decode_node.post("/place_instance", json={"model_id": model_id}))
     alone = _bench(decode_node, model_id)
+    _delete(decode_node, alone_id)
     assert alone["generation_stats"]["kv_handoff"] is None
-    assert handed["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
-    assert len(alone["choices"][0]["message"]["content"]) > 0
+    assert _answer(handed) == _answer(alone)
+    assert alone["usage"]["completion_tokens"] > 1
+
+
+def _answer(response: dict) -> dict:
+    """The message, its thinking included (DeepSeek's templates open a think block)."""
+    return response["choices"][0]["message"]
+
+
+def _delete(node, instance_id: str) -> None:
+    assert node.delete(f"/instance/{instance_id}").status_code == 200
+    node.wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=30, what="instances gone")
