@@ -41,7 +41,7 @@ class _Handoff:
         params = _params(prompt)
         handoff = decode.handoff_of(params, min_tokens=1)
         self.moved = self.early_parts = 0
-        self.sent_tokens = 0
+        self.sent_tokens = self.prefill_cached = 0
         if handoff is not None:
             self.sent_tokens = handoff.sent_tokens
             assembler = decode.kv_assembler(handoff)
@@ -49,8 +49,11 @@ class _Handoff:
             prefill.submit_prefill(CommandId("prefill"), handoff, parts.append)
             while prefill.has_work:
                 before = len(parts)
-                if any(chunk.finish_reason for chunk in prefill.step()):
-                    self.early_parts = before
+                for chunk in prefill.step():
+                    if chunk.finish_reason is not None:
+                        self.early_parts = before
+                        assert chunk.usage is not None
+                        self.prefill_cached = chunk.usage.cached_tokens
             for part in parts:
                 assembler.add(part)
             decode.import_kv(CommandId("decoded"), assembler)
@@ -116,3 +119,7 @@ def test_a_next_turn_moves_only_what_the_decode_side_lacks(engines, monkeypatch)
     )
     assert second.tokens == cold
     assert 0 < second.sent_tokens < len(second_prompt) - len(prompt)
+    # The prefill side's own prefix cache holds turn 1's prompt: only the answer and the
+    # new message are prefilled there.
+    assert first.prefill_cached == 0
+    assert second.prefill_cached == len(prompt) - 1
