@@ -79,8 +79,8 @@ def pair(two_nodes):
     node.wait_for_state(lambda s: s["instances"] == {} and s["runners"] == {}, timeout=30, what="instances gone")
 
 
-def _bench(node, model_id: str) -> dict:
-    body = {"model": model_id, "messages": PROMPT, "max_tokens": 24, "temperature": 0}
+def _bench(node, model_id: str, messages: list[dict] = PROMPT) -> dict:
+    body = {"model": model_id, "messages": messages, "max_tokens": 24, "temperature": 0}
     response = httpx.post(f"{node.url}/bench/chat/completions", json=body, headers=node.headers, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
@@ -105,6 +105,47 @@ def _await(node, response: httpx.Response) -> str:
 @pytest.mark.parametrize("model_id", list(FAMILIES))
 def test_prefill_on_one_node_and_decode_on_the_other_answers_like_one_node(pair, model_id):
     prefill_node, decode_node = pair
+    instance_id = _place_disaggregated(pair, model_id)
+
+    handed = _bench(prefill_node, model_id)  # asked through the prefill node's API: routed to the decode instance
+    handoff = handed["generation_stats"]["kv_handoff"]
+    print(f"{model_id}: KV handoff {handoff}, prompt {handed['usage']['prompt_tokens']} tokens")
+    assert handoff is not None and handoff["bytes"] > 0 and handoff["seconds"] >= handoff["prefill_seconds"] > 0
+    assert handoff["tokens"] == handed["usage"]["prompt_tokens"] - 1
+    again = _bench(decode_node, model_id)
+    assert again["generation_stats"]["kv_handoff"] is None  # the decode node's prefix cache holds it
+    assert _answer(again) == _answer(handed)
+
+    _delete(decode_node, instance_id)
+    alone = _alone(decode_node, model_id, PROMPT)
+    assert _answer(handed) == _answer(alone)
+    assert alone["usage"]["completion_tokens"] > 1
+
+
+def test_a_turn_the_decode_node_answered_itself_is_offered_to_the_prefill_node(pair):
+    """A first turn too short to hand off is prefilled and answered on the decode node;
+    the next turn, long enough, is prefilled on the other node from where the decode
+    node's cache ends, that prefix sent there first, and answers as one node does."""
+    prefill_node, decode_node = pair
+    instance_id = _place_disaggregated(pair, TINY_MODEL_ID)
+    short = [{"role": "user", "content": "the cat"}]
+    first = _bench(decode_node, TINY_MODEL_ID, short)
+    assert first["generation_stats"]["kv_handoff"] is None  # fewer than 32 tokens
+    turn = [*short, {"role": "assistant", "content": _answer(first)["content"]}, *PROMPT]
+    handed = _bench(prefill_node, TINY_MODEL_ID, turn)
+    handoff = handed["generation_stats"]["kv_handoff"]
+    print(f"KV handoff {handoff}, prompt {handed['usage']['prompt_tokens']} tokens")
+    assert handoff is not None and handoff["offered_tokens"] > 0
+    assert handoff["offered_tokens"] + handoff["tokens"] == handed["usage"]["prompt_tokens"] - 1
+
+    _delete(decode_node, instance_id)
+    assert _answer(handed) == _answer(_alone(decode_node, TINY_MODEL_ID, turn))
+
+
+def _place_disaggregated(pair, model_id: str) -> str:
+    """The model placed to prefill on the first node and decode on the second; the
+    decode instance's id."""
+    prefill_node, decode_node = pair
     prefill_id, decode_id = prefill_node.node_id(), decode_node.node_id()
     body = {
         "model_id": model_id,
@@ -119,23 +160,16 @@ def test_prefill_on_one_node_and_decode_on_the_other_answers_like_one_node(pair,
     [prefill] = [i for i in state["instances"].values() if i["instanceId"] != instance_id]
     assert list(prefill["shardAssignments"]["nodeToRunner"]) == [prefill_id]
     assert prefill["prefillFor"]["instanceId"] == instance_id
+    return instance_id
 
-    handed = _bench(prefill_node, model_id)  # asked through the prefill node's API: routed to the decode instance
-    handoff = handed["generation_stats"]["kv_handoff"]
-    print(f"{model_id}: KV handoff {handoff}, prompt {handed['usage']['prompt_tokens']} tokens")
-    assert handoff is not None and handoff["bytes"] > 0 and handoff["seconds"] >= handoff["prefill_seconds"] > 0
-    assert handoff["tokens"] == handed["usage"]["prompt_tokens"] - 1
-    again = _bench(decode_node, model_id)
-    assert again["generation_stats"]["kv_handoff"] is None  # the decode node's prefix cache holds it
-    assert _answer(again) == _answer(handed)
 
-    _delete(decode_node, instance_id)
-    alone_id = _await(decode_node, decode_node.post("/place_instance", json={"model_id": model_id}))
-    alone = _bench(decode_node, model_id)
-    _delete(decode_node, alone_id)
+def _alone(node, model_id: str, messages: list[dict]) -> dict:
+    """The answer of the model placed on `node` alone (then deleted)."""
+    instance_id = _await(node, node.post("/place_instance", json={"model_id": model_id}))
+    alone = _bench(node, model_id, messages)
+    _delete(node, instance_id)
     assert alone["generation_stats"]["kv_handoff"] is None
-    assert _answer(handed) == _answer(alone)
-    assert alone["usage"]["completion_tokens"] > 1
+    return alone
 
 
 def _answer(response: dict) -> dict:

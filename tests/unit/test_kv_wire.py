@@ -32,9 +32,14 @@ def _params(engine: MlxEngine) -> TextGenerationTaskParams:
 
 
 def _served(
-    prefill: MlxEngine, decode: MlxEngine, params: TextGenerationTaskParams, decode_secret: str
+    prefill: MlxEngine,
+    decode: MlxEngine,
+    params: TextGenerationTaskParams,
+    decode_secret: str,
+    prefilled: list[ChunkGenerated] | None = None,
 ) -> list[ChunkGenerated]:
-    """The request asked of `decode`, its prompt prefilled by `prefill` behind a KvServer."""
+    """The request asked of `decode`, its prompt prefilled by `prefill` behind a KvServer
+    (whose chunks go to `prefilled`)."""
     service = PrefillService(prefill, KvServer("127.0.0.1", 0, SECRET, lambda: None))
     handoffs = DecodeHandoffs(decode, ("127.0.0.1", service.server.port), decode_secret, 32, lambda: None)
     request_id = CommandId("decoded")
@@ -45,7 +50,9 @@ def _served(
     while (handoffs.pending or decode.has_work) and time.monotonic() < deadline:
         service.poll()
         for chunk in prefill.step() if prefill.has_work else []:
-            service.finished(chunk)
+            assert service.finished(chunk)
+            if prefilled is not None:
+                prefilled.append(chunk)
         for command_id, ready in handoffs.poll():
             decode.submit(command_id, ready)
         chunks += decode.step() if decode.has_work else []
@@ -93,6 +100,28 @@ def test_kv_streamed_between_runners_gives_the_single_engines_answer(engines, mo
     assert handoff.tokens == PROMPT_TOKENS - 1
     assert handoff.bytes > 0 and handoff.seconds >= handoff.prefill_seconds > 0
     assert tokens_of(chunks) == alone
+
+
+def test_the_decode_sides_cached_prefix_is_offered_to_the_prefill_side(engines, monkeypatch):
+    """The decode side answered the prompt itself; a longer one starting with it is
+    prefilled on the other side from where the decode side's cache ends, after the
+    decode side sent it that prefix over the same sealed connection."""
+    family, prefill, decode = engines
+    params, _ = _fresh(monkeypatch, prefill, decode)
+    assert isinstance(params.prompt, list) and decode.tokenizer is not None
+    answers(decode, {"first": params})
+    longer = params.prompt + decode.tokenizer.encode(" and then? tell me more about the moon and the cat" * 3)
+    longer_params = params.model_copy(update={"prompt": longer})
+
+    prefilled: list[ChunkGenerated] = []
+    chunks = _served(prefill, decode, longer_params, SECRET, prefilled)
+    handoff = _stats(chunks).kv_handoff
+    assert handoff is not None
+    print(f"{family}: {handoff.offered_tokens} tokens offered, {handoff.tokens} sent back, {handoff.bytes} bytes")
+    [usage] = [chunk.usage for chunk in prefilled if chunk.usage is not None]
+    assert handoff.offered_tokens == usage.cached_tokens == len(longer) - 1 - handoff.tokens > 0
+    decode.scheduler.prefix_cache.clear()
+    assert tokens_of(chunks) == tokens_of(answers(decode, {"alone": longer_params})["alone"])
 
 
 def test_a_decode_side_without_the_secret_gets_no_kv_and_prefills_itself(engines, monkeypatch):

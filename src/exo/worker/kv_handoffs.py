@@ -4,6 +4,7 @@ once it is in; the prefill runner serves such asks beside its own requests. Both
 driven by the runner's stepping thread: `poll` takes what the socket threads queued,
 so the engine is only ever touched from that thread."""
 
+import queue
 import socket
 import time
 from collections.abc import Callable
@@ -12,8 +13,8 @@ from multiprocessing.connection import Connection, wait
 
 from loguru import logger
 
-from exo.engine.kv_handoff import HandoffEngine, PartSink
-from exo.engine.kv_wire import FetchEnd, IncomingHandoff, KvFetch, KvServer
+from exo.engine.kv_handoff import HandoffEngine, PartSink, offer_wanted
+from exo.engine.kv_wire import FetchEnd, IncomingHandoff, KvFetch, KvServer, OfferWanted
 from exo.shared.cluster_secret import secret_from_env
 from exo.shared.types.common import CommandId
 from exo.shared.types.instances import Instance
@@ -74,6 +75,9 @@ class DecodeHandoffs:
         ready: list[tuple[CommandId, TextGenerationTaskParams]] = []
         for command_id, waiting in list(self._waiting.items()):
             for item in waiting.fetch.take():
+                if isinstance(item, OfferWanted):
+                    waiting.fetch.offer(waiting.sink.held_parts(item.start))
+                    continue
                 if not isinstance(item, FetchEnd):
                     waiting.sink.add(item)
                     continue
@@ -93,6 +97,7 @@ class DecodeHandoffs:
             seconds=fetch.seconds,
             prefill_seconds=end.prefill_seconds,
             tokens=fetch.handoff.sent_tokens,
+            offered_tokens=fetch.offered_tokens,
         )
         try:
             self.engine.import_kv(command_id, waiting.sink, stats)
@@ -101,8 +106,17 @@ class DecodeHandoffs:
             return
         logger.info(
             f"{command_id}: KV of {stats.tokens} tokens in {stats.bytes} bytes, {stats.seconds:.3f} s "
-            f"(prefill {stats.prefill_seconds:.3f} s)"
+            f"(prefill {stats.prefill_seconds:.3f} s; {stats.offered_tokens} cached tokens offered)"
         )
+
+
+@dataclass
+class _Receiving:
+    """A handoff asked of this runner, waiting for the part of the decode side's prefix
+    this engine's prefix cache lacks."""
+
+    incoming: IncomingHandoff
+    sink: PartSink
 
 
 class PrefillService:
@@ -112,20 +126,25 @@ class PrefillService:
         self.engine = engine
         self.server = server
         self._serving: dict[CommandId, tuple[IncomingHandoff, float]] = {}
+        self._receiving: dict[CommandId, _Receiving] = {}
         self._count = 0
 
     @property
     def serving(self) -> bool:
-        return bool(self._serving)
+        return bool(self._serving or self._receiving)
 
     def poll(self, ready: bool = True) -> None:
-        """Start what was asked, and stop what the decode side hung up on; until the
-        engine is `ready`, refuse what is asked (the decode side then prefills itself)."""
+        """Start what was asked (once what it wants of the decode side's prefix is in),
+        and stop what the decode side hung up on; until the engine is `ready`, refuse
+        what is asked (the decode side then prefills itself)."""
         for request_id, (incoming, _) in list(self._serving.items()):
             if incoming.abandoned.is_set():
                 logger.info(f"{request_id}: the decode runner hung up, prefill stopped")
                 self.engine.cancel(request_id)
+                incoming.fail("the decode runner hung up")
                 del self._serving[request_id]
+        for request_id, receiving in list(self._receiving.items()):
+            self._receive(request_id, receiving)
         while not self.server.incoming.empty():
             incoming = self.server.incoming.get_nowait()
             if not ready:
@@ -134,11 +153,36 @@ class PrefillService:
             self._count += 1
             request_id = CommandId(f"kv-handoff-{self._count}")
             try:
-                self.engine.submit_prefill(request_id, incoming.handoff, incoming.send)
+                wanted = offer_wanted(self.engine, incoming.handoff)
+                if wanted is None:
+                    self._start(request_id, incoming)
+                    continue
+                self._receiving[request_id] = _Receiving(incoming, self.engine.kv_assembler(wanted))
             except ValueError as error:
                 incoming.fail(str(error))
                 continue
-            self._serving[request_id] = (incoming, time.perf_counter())
+            incoming.want(wanted.skip)
+
+    def _receive(self, request_id: CommandId, receiving: _Receiving) -> None:
+        """Take what came of the decode side's prefix; with all of it in, start."""
+        incoming = receiving.incoming
+        try:
+            ended = _take_offered(incoming, receiving.sink)
+            if not ended and not incoming.abandoned.is_set():
+                return
+            del self._receiving[request_id]
+            if not ended:
+                incoming.fail("the decode runner hung up")
+                return
+            self.engine.import_kv(request_id, receiving.sink)
+            self._start(request_id, incoming)
+        except ValueError as error:
+            self._receiving.pop(request_id, None)
+            incoming.fail(f"the decode side's prefix did not fit: {error}")
+
+    def _start(self, request_id: CommandId, incoming: IncomingHandoff) -> None:
+        self.engine.submit_prefill(request_id, incoming.handoff, incoming.send)
+        self._serving[request_id] = (incoming, time.perf_counter())
 
     def finished(self, chunk: ChunkGenerated) -> bool:
         """Whether the chunk is one of this service's prefills (then it is handled here)."""
@@ -156,9 +200,24 @@ class PrefillService:
 
     def close(self) -> None:
         self.server.close()
-        for incoming, _ in self._serving.values():
+        for incoming in [served[0] for served in self._serving.values()] + [
+            receiving.incoming for receiving in self._receiving.values()
+        ]:
             incoming.fail("the prefill runner stopped")
         self._serving.clear()
+        self._receiving.clear()
+
+
+def _take_offered(incoming: IncomingHandoff, sink: PartSink) -> bool:
+    """What arrived of the decode side's offer, into `sink`; whether all of it has."""
+    while True:
+        try:
+            part = incoming.offered.get_nowait()
+        except queue.Empty:
+            return False
+        if part is None:
+            return True
+        sink.add(part)
 
 
 def _host_and_port(host: str) -> tuple[str, int]:

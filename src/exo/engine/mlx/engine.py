@@ -406,21 +406,25 @@ class MlxEngine:
         if params.images or self.group is not None:
             return None
         prompt, _, _ = self.prompt_of(CommandId("handoff"), params)
-        found = self._scheduler().prefix_cache.find(prompt[:-1])
-        skip = found[1] if found is not None else 0
+        skip = self.cached_prefix(prompt[:-1])
         if len(prompt) - 1 - skip < max(1, min_tokens):
             return None
         return Handoff(prompt, skip)
 
+    def cached_prefix(self, tokens: list[int]) -> int:
+        found = self._scheduler().prefix_cache.find(tokens)
+        return found[1] if found is not None else 0
+
     def kv_assembler(self, handoff: Handoff) -> KvAssembler:
-        """Where the handoff's parts go as they arrive (the decode side)."""
+        """Where the handoff's parts go as they arrive (the decode side, or the prefill
+        side receiving the decode side's offer)."""
         assert self.model is not None
         held = None
         if handoff.skip > 0:
             found = self._scheduler().prefix_cache.find(handoff.prompt[: handoff.skip])
             if found is None or found[1] < handoff.skip:
                 raise ValueError("the prefix cache no longer holds the prompt's first tokens")
-            held = found[0].snapshot
+            held = (found[0].snapshot, found[0].length)
         return KvAssembler(handoff, make_prompt_cache(self.model), held)
 
     def import_kv(self, request_id: CommandId, sink: PartSink, stats: KvHandoffStats | None = None) -> None:

@@ -6,6 +6,7 @@ values for the positions each prefill chunk added, every other cache (`RotatingK
 `CacheList`s, DeepSeek V4's compressed branches) as its whole state once prefill ends,
 bounded by its window or its state's size whatever the prompt's length."""
 
+import copy
 import json
 import struct
 from collections.abc import Callable
@@ -74,6 +75,17 @@ def _restore(layer: Any, whole: dict[str, Any]) -> None:
         layer.meta_state = whole["meta"]
 
 
+def _cut_to(layer: Any, length: int, end: int) -> Any:
+    """A layer's cache holding `length` positions, as it stood after `end` of them: a
+    trimmed copy (only a trimmable entry of the prefix cache is found longer than the
+    prefix it serves)."""
+    if length == end:
+        return layer
+    copied = copy.deepcopy(layer)
+    copied.trim(length - end)
+    return copied
+
+
 def _plain_caches(layer: Any) -> list[KVCache] | None:
     """The plain KV caches a layer is, which travel by positions: the layer itself, or
     every cache of a CacheList of them (DSA's attention and indexer keys); None for a
@@ -121,15 +133,16 @@ class KvExporter:
 
 
 class KvAssembler:
-    """The decode side: the parts of one handoff, put together into a cache like the one
-    prefill would have left here. `fresh` is a new cache for the model, `held` the
-    cache the decode side's prefix cache holds the first `handoff.skip` positions in
-    (None when skip is 0)."""
+    """The receiving side: the parts of one handoff, put together into a cache like the
+    one prefill would have left here. `fresh` is a new cache for the model, `held` a
+    cache of this side's prefix cache holding the first `handoff.skip` positions (or
+    more, when it can be trimmed), and how many it holds (None when skip is 0)."""
 
-    def __init__(self, handoff: Handoff, fresh: list[Any], held: list[Any] | None) -> None:
+    def __init__(self, handoff: Handoff, fresh: list[Any], held: tuple[list[Any], int] | None) -> None:
         self.handoff = handoff
         self.cache = fresh
         self.bytes_received = 0
+        self._held = held
         # Per plain layer: its chunks of positions, each [keys, values] per cache of it.
         self._chunks: dict[int, list[list[list[mx.array]]]] = {}
         self._whole: set[int] = set()
@@ -139,9 +152,26 @@ class KvAssembler:
             self._chunks[index] = []
             if handoff.skip > 0:
                 assert held is not None
-                kept = _plain_caches(held[index])
+                kept = _plain_caches(held[0][index])
                 assert kept is not None
                 self._chunks[index].append(_positions(kept, 0, handoff.skip))
+
+    def held_parts(self, start: int) -> list[LayerPart]:
+        """Positions [start, skip) of the held prefix, as a prefill side lacking them is
+        sent them: plain layers by positions, every other layer whole, as it stood after
+        position skip."""
+        skip = self.handoff.skip
+        if self._held is None or start >= skip:
+            return []
+        held, length = self._held
+        parts: list[LayerPart] = []
+        for index, layer in enumerate(held):
+            plain = _plain_caches(layer)
+            if plain is not None:
+                parts.append(LayerPart(index, start, skip, False, pack(_positions(plain, start, skip))))
+            else:
+                parts.append(LayerPart(index, 0, skip, True, pack(_whole_state(_cut_to(layer, length, skip)))))
+        return parts
 
     @property
     def length(self) -> int:

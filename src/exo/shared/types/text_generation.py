@@ -109,13 +109,16 @@ class Usage(FrozenModel):
 
 class KvHandoffStats(FrozenModel):
     """A request prefilled by another runner (disaggregated serving): the KV's bytes on
-    the wire (sealed), the seconds from asking for it to having all of it, the prefill
-    runner's own seconds of that, and the prompt tokens whose KV moved."""
+    the wire (sealed, both ways), the seconds from asking for it to having all of it, the
+    prefill runner's own seconds of that, the prompt tokens whose KV moved to this runner,
+    and those of this runner's cached prefix it offered the prefill runner, which lacked
+    them."""
 
     bytes: int
     seconds: float
     prefill_seconds: float
     tokens: int
+    offered_tokens: int = 0
 
 
 class GenerationStats(FrozenModel):
