@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PP, TG = 48, 6
 
 
@@ -77,3 +79,15 @@ def test_exo_bench_side_by_side_on_llama_cpp_runs_raw_llama_cpp(tmp_path):
         assert rows["exo single", concurrency]["texts"] == rows["llama.cpp", concurrency]["texts"]
     whats = {entry["what"] for entry in report["ratios"]}
     assert {"exo single vs llama.cpp (aggregate)", "llama.cpp: 2 streams vs 1 (aggregate)"} <= whats
+
+
+def test_a_disaggregated_bench_runs_every_placement_on_mlx():
+    """Only MLX hands KV over, so the nodes alone it is compared with run MLX too (a Linux
+    node's default, llama.cpp, made the prefill node alone look 1.8x faster)."""
+    from exo.devtools.exo_bench import parse_args
+
+    placements = ["--placements", "decode-node,prefill-node,disaggregated"]
+    assert parse_args(placements).engine == "mlx"
+    assert parse_args(["--placements", "single"]).engine is None
+    with pytest.raises(SystemExit):
+        parse_args([*placements, "--engine", "llamacpp"])

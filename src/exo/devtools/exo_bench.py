@@ -8,7 +8,8 @@ mlx_lm.server for MLX nodes, llama.cpp (exo's GGUF of the same dir) for llama.cp
     exo-bench --model-dir ~/models/org--name     # real weights, nodes started here
     exo-bench --url http://host:52415 --model org/name --eos-ids 2   # an existing cluster
     exo-bench --placements decode-node,prefill-node,disaggregated --pp 8192 --node-cpus 0-1/1
-        # prefill on node 0, decode on node 1 (issue 36): TTFT, the KV's bytes and seconds
+        # prefill on node 0, decode on node 1 (issue 36): TTFT, the KV's bytes and seconds;
+        # every placement on MLX, the one engine that hands KV over
 
 Every cell of the sweep (pp x tg x concurrency x prefix-cache) sends `concurrency`
 greedy chat requests at once, each a prompt of about pp tokens, decoding exactly tg
@@ -125,6 +126,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--url needs --model")
     if args.side_by_side and args.url and not args.model_dir:
         parser.error("--side-by-side needs the weights: --model-dir")
+    if "disaggregated" in args.placements and args.url is None:
+        # Only MLX hands KV over: the nodes alone must run it too to compare with it (a
+        # Linux node's own default, llama.cpp, prefills at another speed).
+        if args.engine not in (None, "mlx"):
+            parser.error("--placements disaggregated runs on MLX: --engine mlx (or leave it out)")
+        args.engine = "mlx"
     return args
 
 
