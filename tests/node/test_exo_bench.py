@@ -60,6 +60,9 @@ def test_exo_bench_sweeps_every_target_and_writes_json(tmp_path):
     whats = {entry["what"] for entry in report["ratios"]}
     assert {"exo single vs mlx-lm (aggregate)", "exo single: 2 streams vs 1 (aggregate)"} <= whats
     assert {"exo single: TTFT prefix off / on", "mlx_lm.server vs mlx-lm (aggregate)"} <= whats
+    # The runner's peak held its weights and the largest cell's KV at least.
+    [memory] = [e for e in report["ratios"] if e["what"] == "exo single: peak memory / (weights + the requests' KV)"]
+    assert memory["ratio"] >= 1.0 and memory["cell"].startswith(f"pp={PP} tg={TG} c=2")
 
 
 def test_exo_bench_side_by_side_on_llama_cpp_runs_raw_llama_cpp(tmp_path):

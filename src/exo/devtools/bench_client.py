@@ -43,6 +43,8 @@ class Measured:
     kv_bytes: int = 0
     kv_seconds: float = 0.0
     kv_prefill_seconds: float = 0.0
+    # The serving runner's peak memory so far (MLX's, generation_stats), 0 where unknown.
+    peak_memory_bytes: int = 0
 
     @property
     def ttft(self) -> float:
@@ -85,6 +87,7 @@ class Round:
             "kv_bytes": round(sum(r.kv_bytes for r in self.requests) / count),
             "kv_s": sum(r.kv_seconds for r in self.requests) / count,
             "kv_prefill_s": sum(r.kv_prefill_seconds for r in self.requests) / count,
+            "peak_memory_bytes": max(r.peak_memory_bytes for r in self.requests),
         }
 
 
@@ -129,7 +132,9 @@ def stream_chat(url: str, body: dict[str, Any], headers: dict[str, str] | None =
             event = json.loads(line[len("data: ") :])
             if "error" in event:
                 raise RuntimeError(f"{url}: {event['error']}")
-            handoff = (event.get("generation_stats") or {}).get("kv_handoff")
+            stats = event.get("generation_stats") or {}
+            measured.peak_memory_bytes = stats.get("peak_memory_bytes") or measured.peak_memory_bytes
+            handoff = stats.get("kv_handoff")
             if handoff:
                 measured.kv_bytes, measured.kv_seconds = handoff["bytes"], handoff["seconds"]
                 measured.kv_prefill_seconds = handoff["prefill_seconds"]

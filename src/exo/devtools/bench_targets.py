@@ -138,6 +138,8 @@ class ExoTarget:
     # Tokens proposed per verify by prompt lookup (exo's speculative field); 0: plain.
     speculative: int = 0
     instance_id: str | None = field(default=None, init=False)
+    # The runner's weights and KV bytes a token (/state), where the instance is one runner.
+    runner_memory: dict[str, int] | None = field(default=None, init=False)
 
     @property
     def name(self) -> str:
@@ -162,6 +164,10 @@ class ExoTarget:
         for instance_id, instance in state["instances"].items():
             if (instance.get("prefillFor") or {}).get("instanceId") == self.instance_id:
                 self._await(instance_id)
+        runners = list(state["instances"][self.instance_id]["shardAssignments"]["nodeToRunner"].values())
+        memory = (state["runners"].get(runners[0]) or {}).get("memory") if len(runners) == 1 else None
+        if memory and memory.get("weightsBytes"):
+            self.runner_memory = {"weights": memory["weightsBytes"], "kv_per_token": memory["kvBytesPerToken"]}
 
     def _await(self, instance_id: str) -> None:
         params = {"instance_id": instance_id}

@@ -190,16 +190,23 @@ def run_target(target: Target, cells: list[Cell], args: argparse.Namespace, nonc
                 rounds[cell].append((measured, checks))
     finally:
         target.close()
-    return [_row(target.name, cell, runs) for cell, runs in rounds.items() if runs]
+    memory = target.runner_memory if isinstance(target, ExoTarget) else None
+    return [_row(target.name, cell, runs, memory) for cell, runs in rounds.items() if runs]
 
 
 def _or_zero(rate: float) -> float:
     return 0.0 if math.isnan(rate) else rate
 
 
-def _row(name: str, cell: Cell, runs: list[tuple[Round, dict[str, Any]]]) -> dict[str, Any]:
+def _row(
+    name: str, cell: Cell, runs: list[tuple[Round, dict[str, Any]]], memory: dict[str, int] | None = None
+) -> dict[str, Any]:
     best = max(runs, key=lambda run: _or_zero(run[0].aggregate_tps))[0]
     checks = {key: value for _, found in runs for key, value in found.items()}
+    if memory is not None:
+        # What the cell's requests need at most: the weights and each one's whole KV.
+        held = max(sum(r.prompt_tokens + r.tokens for r in run.requests) for run, _ in runs)
+        checks["weights_and_kv_bytes"] = memory["weights"] + memory["kv_per_token"] * held
     return {
         "target": name,
         "pp": cell.pp,
@@ -216,7 +223,7 @@ def _row(name: str, cell: Cell, runs: list[tuple[Round, dict[str, Any]]]) -> dic
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Concurrency N vs 1 within a target; each target vs raw mlx-lm and vs exo single;
-    prefix cache on vs off (time to first token)."""
+    prefix cache on vs off (time to first token); an exo runner's peak memory."""
     by_key = {(r["target"], r["pp"], r["tg"], r["concurrency"], r["prefix_cache"]): r for r in rows}
     found = []
     for (target, pp, tg, conc, prefix), row in by_key.items():
@@ -244,6 +251,23 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if prefix == "on" and cold:
             found.append(
                 {"what": f"{target}: TTFT prefix off / on", "cell": cell, "ratio": cold["ttft_s"] / row["ttft_s"]}
+            )
+    return found + _memory_ratios(rows)
+
+
+def _memory_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each one-runner exo target's peak memory (MLX's, over its whole run) against the
+    most its cells' requests needed at once: the weights and every request's whole KV."""
+    found = []
+    for target in dict.fromkeys(r["target"] for r in rows):
+        measured = [r for r in rows if r["target"] == target and r.get("weights_and_kv_bytes")]
+        peak = max((r.get("peak_memory_bytes") or 0 for r in measured), default=0)
+        if peak:
+            need = max(measured, key=lambda r: r["weights_and_kv_bytes"])
+            cell = f"pp={need['pp']} tg={need['tg']} c={need['concurrency']} prefix={need['prefix_cache']}"
+            ratio = peak / need["weights_and_kv_bytes"]
+            found.append(
+                {"what": f"{target}: peak memory / (weights + the requests' KV)", "cell": cell, "ratio": ratio}
             )
     return found
 
