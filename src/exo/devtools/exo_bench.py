@@ -116,6 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", help="the engine the nodes started here run (EXO_ENGINE: mlx, llamacpp)")
     parser.add_argument("--hidden", type=int, default=256, help="the tiny llama's width")
     parser.add_argument("--layers", type=int, default=4, help="the tiny llama's depth")
+    parser.add_argument("--context", type=int, default=4096, help="the tiny llama's context, in tokens")
     args = parser.parse_args(argv)
     args.prefix_cache = [p for p in args.prefix_cache.split(",") if p]
     args.placements = [p for p in args.placements.split(",") if p]
@@ -357,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
                 num_attention_heads=8,
                 num_key_value_heads=4,
                 intermediate_size=args.hidden * 3,
+                max_position_embeddings=args.context,
             )
         models_dir, model_id = _models_dir(model_dir, scratch) if model_dir is not None else (None, "")
         args.model = args.model or model_id
@@ -394,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
             "model": args.model,
             "model_dir": str(args.model_dir)
             if args.model_dir
-            else f"random llama hidden={args.hidden} layers={args.layers}",
+            else f"random llama hidden={args.hidden} layers={args.layers} context={args.context}",
             "machine": {"platform": platform.platform(), "device": str(mx.default_device())},
             "started_at": started,
             "args": {k: v for k, v in vars(args).items() if k not in ("json", "api_key", "model_dir")},

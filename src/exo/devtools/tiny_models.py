@@ -151,6 +151,7 @@ def make_tiny_llama(
     num_key_value_heads: int = 2,
     intermediate_size: int = 128,
     vocab_size: int = 512,
+    max_position_embeddings: int = 4096,
     dtype: mx.Dtype = mx.float32,
     seed: int = 0,
 ) -> Path:
@@ -166,7 +167,7 @@ def make_tiny_llama(
         "vocab_size": vocab_size,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": max_position_embeddings,
         "tie_word_embeddings": False,
         "bos_token_id": 0,
         "eos_token_id": 1,
