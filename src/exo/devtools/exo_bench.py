@@ -262,7 +262,8 @@ def _memory_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     found = []
     for target in dict.fromkeys(r["target"] for r in rows):
         measured = [r for r in rows if r["target"] == target and r.get("weights_and_kv_bytes")]
-        peak = max((r.get("peak_memory_bytes") or 0 for r in measured), default=0)
+        # Every round's, not only the best one's: the peak only grows over the run.
+        peak = max((run.get("peak_memory_bytes") or 0 for r in measured for run in r["rounds"]), default=0)
         if peak:
             need = max(measured, key=lambda r: r["weights_and_kv_bytes"])
             cell = f"pp={need['pp']} tg={need['tg']} c={need['concurrency']} prefix={need['prefix_cache']}"

@@ -200,9 +200,8 @@ class PrefillService:
 
     def close(self) -> None:
         self.server.close()
-        for incoming in [served[0] for served in self._serving.values()] + [
-            receiving.incoming for receiving in self._receiving.values()
-        ]:
+        serving = [incoming for incoming, _ in self._serving.values()]
+        for incoming in serving + [receiving.incoming for receiving in self._receiving.values()]:
             incoming.fail("the prefill runner stopped")
         self._serving.clear()
         self._receiving.clear()
