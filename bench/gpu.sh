@@ -2,7 +2,8 @@
 # The GPU figures of docs/engines.md in one run, on a machine with exo set up
 # (scripts/setup.sh) and a GPU MLX sees (NVIDIA with MLX's CUDA build, or Apple silicon):
 #
-#   bash bench/gpu.sh [OUT_DIR]        # JSON and logs in OUT_DIR (default: gpu-bench)
+#   bash bench/gpu.sh [OUT_DIR] [PART]  # JSON and logs in OUT_DIR (default: gpu-bench);
+#                                       # PART: batching, memory or all (the default)
 #
 # 1. Batching and splits: exo on one node, a pipeline and a tensor split over two nodes on
 #    this machine, raw mlx-lm (`BatchGenerator`) and mlx_lm.server, on a random float32
@@ -16,6 +17,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-bench}
+part=${2:-all}
+case "$part" in batching|memory|all) ;; *) echo "PART is batching, memory or all, not '$part'" >&2; exit 2 ;; esac
 mkdir -p "$out"
 python=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 bench=("$python" -m exo.devtools.exo_bench --engine mlx)
@@ -24,10 +27,13 @@ export PYTHONUNBUFFERED=1
 read -r -a batch_model <<<"${BATCH_MODEL:---hidden 2048 --layers 16}"
 read -r -a memory_model <<<"${MEMORY_MODEL:---hidden 4096 --layers 8}"
 
-echo "== batching and splits"
-"${bench[@]}" "${batch_model[@]}" --side-by-side --verify --pp 128,2048 --tg 128 --concurrency 1,8 \
-    --placements single,pipeline,tensor --rounds 2 --json "$out/batching.json" 2>&1 | tee "$out/batching.log"
-
-echo "== memory"
-"${bench[@]}" "${memory_model[@]}" --context 8192 --pp 4096 --tg 16 --concurrency 16 --prefix-cache on \
-    --rounds 1 --json "$out/memory.json" 2>&1 | tee "$out/memory.log"
+if [ "$part" != memory ]; then
+  echo "== batching and splits"
+  "${bench[@]}" "${batch_model[@]}" --side-by-side --verify --pp 128,2048 --tg 128 --concurrency 1,8 \
+      --placements single,pipeline,tensor --rounds 2 --json "$out/batching.json" 2>&1 | tee "$out/batching.log"
+fi
+if [ "$part" != batching ]; then
+  echo "== memory"
+  "${bench[@]}" "${memory_model[@]}" --context 8192 --pp 4096 --tg 16 --concurrency 16 --prefix-cache on \
+      --rounds 1 --json "$out/memory.json" 2>&1 | tee "$out/memory.log"
+fi
