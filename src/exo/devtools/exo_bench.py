@@ -44,6 +44,7 @@ from exo.devtools.bench_targets import (
     ServerTarget,
     loopback_nodes,
 )
+from exo.devtools.device_memory import DeviceMemoryWatch
 from exo.devtools.tiny_models import make_tiny_llama
 
 TINY_ID = "bench/tiny-llama"
@@ -166,7 +167,17 @@ def _models_dir(model_dir: Path, scratch: Path) -> tuple[Path, str]:
 
 
 def run_target(target: Target, cells: list[Cell], args: argparse.Namespace, nonce: str) -> list[dict[str, Any]]:
-    """Every cell --rounds times, alternated; the best round of each by aggregate decode."""
+    """Every cell --rounds times, alternated; the best round of each by aggregate decode;
+    the GPU memory the target took (where nvidia-smi answers)."""
+    with DeviceMemoryWatch() as watch:
+        rounds = _run_rounds(target, cells, args, nonce)
+    memory = target.runner_memory if isinstance(target, ExoTarget) else None
+    return [_row(target.name, cell, runs, memory, watch.taken_bytes) for cell, runs in rounds.items() if runs]
+
+
+def _run_rounds(
+    target: Target, cells: list[Cell], args: argparse.Namespace, nonce: str
+) -> dict[Cell, list[tuple[Round, dict[str, Any]]]]:
     banned = args.eos_ids
     target.open()
     try:
@@ -191,8 +202,7 @@ def run_target(target: Target, cells: list[Cell], args: argparse.Namespace, nonc
                 rounds[cell].append((measured, checks))
     finally:
         target.close()
-    memory = target.runner_memory if isinstance(target, ExoTarget) else None
-    return [_row(target.name, cell, runs, memory) for cell, runs in rounds.items() if runs]
+    return rounds
 
 
 def _or_zero(rate: float) -> float:
@@ -200,7 +210,11 @@ def _or_zero(rate: float) -> float:
 
 
 def _row(
-    name: str, cell: Cell, runs: list[tuple[Round, dict[str, Any]]], memory: dict[str, int] | None = None
+    name: str,
+    cell: Cell,
+    runs: list[tuple[Round, dict[str, Any]]],
+    memory: dict[str, int] | None = None,
+    gpu_taken: int | None = None,
 ) -> dict[str, Any]:
     best = max(runs, key=lambda run: _or_zero(run[0].aggregate_tps))[0]
     checks = {key: value for _, found in runs for key, value in found.items()}
@@ -208,6 +222,9 @@ def _row(
         # What the cell's requests need at most: the weights and each one's whole KV.
         held = max(sum(r.prompt_tokens + r.tokens for r in run.requests) for run, _ in runs)
         checks["weights_and_kv_bytes"] = memory["weights"] + memory["kv_per_token"] * held
+    if gpu_taken is not None:
+        # Over the target's whole run (nvidia-smi), every cell alike.
+        checks["gpu_memory_taken_bytes"] = gpu_taken
     return {
         "target": name,
         "pp": cell.pp,
@@ -257,20 +274,23 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _memory_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each one-runner exo target's peak memory (MLX's, over its whole run) against the
-    most its cells' requests needed at once: the weights and every request's whole KV."""
+    """Each one-runner exo target's peak memory (MLX's, over its whole run), and the GPU
+    memory it took (nvidia-smi, where it answers), against the most its cells' requests
+    needed at once: the weights and every request's whole KV."""
     found = []
     for target in dict.fromkeys(r["target"] for r in rows):
         measured = [r for r in rows if r["target"] == target and r.get("weights_and_kv_bytes")]
+        if not measured:
+            continue
+        need = max(measured, key=lambda r: r["weights_and_kv_bytes"])
+        cell = f"pp={need['pp']} tg={need['tg']} c={need['concurrency']} prefix={need['prefix_cache']}"
         # Every round's, not only the best one's: the peak only grows over the run.
         peak = max((run.get("peak_memory_bytes") or 0 for r in measured for run in r["rounds"]), default=0)
-        if peak:
-            need = max(measured, key=lambda r: r["weights_and_kv_bytes"])
-            cell = f"pp={need['pp']} tg={need['tg']} c={need['concurrency']} prefix={need['prefix_cache']}"
-            ratio = peak / need["weights_and_kv_bytes"]
-            found.append(
-                {"what": f"{target}: peak memory / (weights + the requests' KV)", "cell": cell, "ratio": ratio}
-            )
+        taken = need.get("gpu_memory_taken_bytes")
+        for what, used in (("peak memory", peak), ("GPU memory taken (nvidia-smi)", taken)):
+            if used:
+                ratio = used / need["weights_and_kv_bytes"]
+                found.append({"what": f"{target}: {what} / (weights + the requests' KV)", "cell": cell, "ratio": ratio})
     return found
 
 
