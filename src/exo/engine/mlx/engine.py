@@ -38,6 +38,7 @@ from exo.engine.mlx.kv_transfer import KvAssembler, KvExporter
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.memory import (
     activation_bytes,
+    buffer_cache_bytes,
     device_memory,
     kv_bytes_per_token,
     limit_buffer_cache,
@@ -289,10 +290,12 @@ class MlxEngine:
             weights_bytes=weights,
             kv_bytes_per_token=per_token,
         )
-        limit_buffer_cache(activations + scores)
+        cached = buffer_cache_bytes(self.config, activations, scores, step)
+        limit_buffer_cache(cached)
         logger.info(
             f"memory budget: {spare >> 20} MiB beside {weights >> 20} MiB of weights and {activations >> 20} MiB "
-            f"of activations; {kv_tokens} tokens of KV at {per_token} bytes each"
+            f"of activations; {kv_tokens} tokens of KV at {per_token} bytes each; MLX's buffer cache at most "
+            f"{cached >> 20} MiB"
         )
 
     def _scheduler(self) -> Scheduler:

@@ -11,7 +11,8 @@ other engines' arrays (tests/unit/test_memory_budget.py).
 
 MLX also keeps freed buffers in a cache of its own for reuse; unbounded, that cache
 alone took an H200 from a 7 GB model to 106 GB. It is limited to one step's
-temporaries: what a step frees, the next one reuses."""
+temporaries: what a step frees, the next one reuses. MLX's peak memory leaves that cache
+out; the device's own count (nvidia-smi) has it."""
 
 from typing import Any
 
@@ -64,6 +65,18 @@ def score_bytes_per_pair(config: dict[str, Any]) -> int:
     """Attention's scores of one query-key pair over every head, where they are
     materialized (MLX's CPU backend): float32 scores, their softmax and the mask."""
     return 3 * 4 * int(_text_config(config).get("num_attention_heads", 32))
+
+
+def buffer_cache_bytes(config: dict[str, Any], activations: int, scores: int, step_tokens: int) -> int:
+    """What MLX's buffer cache may keep: one step's temporaries, for the next step to
+    reuse. A step's scores come to at most its tokens against the model's whole context,
+    on a large device far less than the share of memory set aside for them (a quarter of
+    what an H200 has beside a 7 GB model: 28 GB, which the cache would fill with the
+    buffers a growing KV leaves behind, sizes no step asks for again)."""
+    context = int(_text_config(config).get("max_position_embeddings") or 0)
+    if context > 0:
+        scores = min(scores, step_tokens * context * score_bytes_per_pair(config))
+    return activations + scores
 
 
 def limit_buffer_cache(nbytes: int) -> None:
