@@ -8,6 +8,7 @@ requests wait and still answer the same. A request alone in the batch answers as
 mlx-lm's own generate_step."""
 
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -206,3 +207,33 @@ def test_short_prompts_arriving_together_prefill_in_one_step_within_the_budget(e
                 assert chunk.prefill.processed_tokens - done <= 64
                 done = chunk.prefill.processed_tokens
     assert done > 64
+
+
+def test_each_prompt_feeds_at_most_its_chunk_a_step_beside_the_others(engine, monkeypatch):
+    # A step of 64 tokens, 8 of them at most from one prompt (EXO_PREFILL_CHUNK, vLLM's
+    # long_prefill_token_threshold): prompts arriving together each feed 8 tokens in every
+    # step, all in the first, and answer as they do alone.
+    monkeypatch.setenv("EXO_PREFILL_CHUNK", "8")
+    assert limits.chunk_tokens() == 8
+    budget = replace(engine.scheduler.budget, step_tokens=64, chunk_tokens=limits.chunk_tokens())
+    monkeypatch.setattr(engine.scheduler, "budget", budget)
+    names = ["short", "middle", "biased"]
+    alone = {name: _alone(engine, name) for name in names}
+    engine.scheduler.prefix_cache.clear()
+    out = _record()
+    for name in names:
+        engine.submit(CommandId(name), REQUESTS[name])
+    fed: dict[str, list[int]] = defaultdict(list)
+    steps = 0
+    while engine.has_work:
+        chunks = engine.step()
+        steps += 1
+        for chunk in chunks:
+            if chunk.prefill is not None:
+                fed[chunk.command_id].append(chunk.prefill.processed_tokens)
+        _collect(chunks, out)
+    for name in names:
+        assert fed[name][0] == 8, name  # in the first step, beside the other two
+        assert all(b - a <= 8 for a, b in zip([0, *fed[name]], fed[name], strict=False)), fed[name]
+        assert len(fed[name]) > 1, name
+        _assert_same(out[name], alone[name], name)

@@ -24,6 +24,15 @@ def step_tokens(on_gpu: bool) -> int:
     return GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS
 
 
+def chunk_tokens() -> int | None:
+    """EXO_PREFILL_CHUNK: the most prompt tokens one request feeds a step (vLLM's
+    long_prefill_token_threshold). With a larger step, prompts that arrive together
+    prefill in one forward while a long one still holds running streams up by one chunk
+    (mlx-lm's BatchGenerator: 8 prompts x 2,048 tokens a forward). Unset: the step's."""
+    configured = os.environ.get("EXO_PREFILL_CHUNK")
+    return int(configured) if configured else None
+
+
 # The prefix cache: finished requests' prompt + answer kept, up to this many entries and
 # bytes (as tokens of KV), and never past the runner's memory budget.
 PREFIX_CACHE_ENTRIES = int(os.environ.get("EXO_PREFIX_CACHE_ENTRIES", "16"))

@@ -150,6 +150,8 @@ class Budget:
     kv_tokens: int  # KV of running requests and the prefix cache together
     step_tokens: int  # tokens fed per step (prompt chunks and decode tokens)
     prefix_cache_tokens: int  # the prefix cache alone, at most
+    # The most prompt tokens one request feeds a step; None: the step's.
+    chunk_tokens: int | None = None
     # Of kv_tokens the running requests may hold at most this many (llama.cpp's context
     # cells; its prefix cache lives outside them). None: all of them.
     context_tokens: int | None = None
@@ -322,7 +324,8 @@ class Scheduler:
             if not request.prefilling:
                 continue
             start = request.fed
-            length = self._chunk_length(chunks, start, min(budget, len(request.prompt) - start))
+            longest = min(budget, len(request.prompt) - start, self.budget.chunk_tokens or budget)
+            length = self._chunk_length(chunks, start, longest)
             if length == 0:
                 return
             end = self.backend.chunk_end(request, start, start + length)

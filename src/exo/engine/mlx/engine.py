@@ -239,7 +239,12 @@ class MlxEngine:
         self.reasoning_dialect = shard.model_card.reasoning_dialect.value
         # Room for the warm-up; warm_up measures what a token of KV costs and sets the budget.
         step = limits.step_tokens(on_gpu=mx.default_device() == mx.gpu)
-        self.scheduler = Scheduler(self, Budget(kv_tokens=1 << 20, step_tokens=step, prefix_cache_tokens=1 << 20))
+        self.scheduler = Scheduler(
+            self,
+            Budget(
+                kv_tokens=1 << 20, step_tokens=step, prefix_cache_tokens=1 << 20, chunk_tokens=limits.chunk_tokens()
+            ),
+        )
 
     def warm_up(self) -> int:
         if self.is_follower:
@@ -284,6 +289,7 @@ class MlxEngine:
         scheduler.budget = Budget(
             kv_tokens=kv_tokens,
             step_tokens=step,
+            chunk_tokens=scheduler.budget.chunk_tokens,
             prefix_cache_tokens=limits.PREFIX_CACHE_BYTES // per_token,
             step_area=area,
             budget_bytes=spare,
