@@ -12,7 +12,7 @@ import json
 import math
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal, assert_never, cast
 
@@ -286,10 +286,10 @@ class MlxEngine:
         if self.group is not None:
             kv_tokens = agree_on_minimum(kv_tokens, self.group, self.collective_stream)
             area = agree_on_minimum(area, self.group, self.collective_stream)
-        scheduler.budget = Budget(
+        # The step's tokens and each prompt's chunk stay as load set them.
+        scheduler.budget = replace(
+            scheduler.budget,
             kv_tokens=kv_tokens,
-            step_tokens=step,
-            chunk_tokens=scheduler.budget.chunk_tokens,
             prefix_cache_tokens=limits.PREFIX_CACHE_BYTES // per_token,
             step_area=area,
             budget_bytes=spare,
