@@ -553,7 +553,7 @@ def test_a_hub_download_shows_progress_is_cancelled_resumed_placed_and_deleted(
     card.get_by_role("button", name="Options").click()
     alone = re.compile(f"^{re.escape(node_name(cluster[0], node_id))}$")
     option = card.locator("table.previews tbody tr").filter(has=page.locator("td:first-child", has_text=alone))
-    option.filter(has_text="Pipeline").first.get_by_role("button", name="Place").click()
+    option.filter(has_text="Pipeline").first.get_by_role("button", name="Place", exact=True).click()
     expect(card.locator(".badge.ok")).to_have_text("serving", timeout=60000)
     card.get_by_role("button", name="Stop").click()
     expect(card.locator(".model-actions").get_by_role("button", name="Place", exact=True)).to_be_visible(timeout=15000)
