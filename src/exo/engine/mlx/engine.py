@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal, assert_never, cast
+from typing import Any, assert_never, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,7 +23,6 @@ from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from pydantic import Field, TypeAdapter
 
 from exo.engine import limits
 from exo.engine.answer import AnswerStream, output_parser_for
@@ -46,12 +45,12 @@ from exo.engine.mlx.memory import (
 )
 from exo.engine.mlx.parallel import (
     agree_on_minimum,
-    broadcast_bytes,
     collective_stream,
     connect_group,
     from_last_rank,
     inner_model,
 )
+from exo.engine.mlx.rank_ops import CancelRequest, EndWarmup, RankOp, StartRequest, StopFollowers, agree_on_ops
 from exo.engine.mlx.vision import (
     VisionEncoder,
     VisionPrompt,
@@ -66,7 +65,7 @@ from exo.engine.prefix_cache import SavedKV
 from exo.engine.request_settings import logprobs_wanted, max_tokens_of, sampling_settings
 from exo.engine.scheduler import Budget, Request, Row, Sampled, Scheduler
 from exo.engine.speculative import PromptLookup, Proposer, check_draft, speculative_settings
-from exo.shared.types.common import CommandId, FrozenModel
+from exo.shared.types.common import CommandId
 from exo.shared.types.instances import Instance
 from exo.shared.types.runners import RunnerMemory
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
@@ -79,34 +78,6 @@ from exo.shared.types.text_generation import (
     TokenLogprob,
     TopLogprob,
 )
-
-
-class StartRequest(FrozenModel):
-    op: Literal["start"] = "start"
-    request_id: CommandId
-    params: TextGenerationTaskParams
-    seed: int
-    # The response_format's grammar, compiled once by rank 0 and carried to the others.
-    grammar: str | None = None
-
-
-class CancelRequest(FrozenModel):
-    op: Literal["cancel"] = "cancel"
-    request_id: CommandId
-
-
-class EndWarmup(FrozenModel):
-    op: Literal["end_warmup"] = "end_warmup"
-
-
-class StopFollowers(FrozenModel):
-    op: Literal["shutdown"] = "shutdown"
-
-
-# What rank 0 broadcasts before a step, for every rank to apply in the same order.
-RankOp = Annotated[StartRequest | CancelRequest | EndWarmup | StopFollowers, Field(discriminator="op")]
-_RANK_OPS = TypeAdapter(list[RankOp])
-
 
 # The language model's inputs for positions [start, end) of a chunk, when they are more
 # than its token ids (a prompt with images).
@@ -337,9 +308,7 @@ class MlxEngine:
         ops, self._pending_ops = self._pending_ops, []
         if self.group is None:
             return ops
-        payload = _RANK_OPS.dump_json(ops) if ops else None
-        received = broadcast_bytes(None if self.is_follower else payload, self.group, self.collective_stream)
-        return _RANK_OPS.validate_json(received) if received else []
+        return agree_on_ops(ops, self.group, self.collective_stream)
 
     def _apply_ops(self) -> list[RankOp]:
         ops = self._agree_on_ops()
