@@ -37,6 +37,15 @@ def cut(lone: ClusterNode, others: list[ClusterNode], action: str) -> None:
         blackhole(other, lone, action)
 
 
+def assert_added_once(tap: EventTap, model_id: str, after: int) -> None:
+    """The card was added once in the tap's node's history, past index `after`: seen once,
+    or not seen where the tap knows it missed events past `after` (on a busy machine its
+    poll can come after a burst of link updates was compacted)."""
+    added = [idx for idx, e in tap.events.items() if e["event"].get("card", {}).get("model_id") == model_id]
+    missed = sorted(idx for idx in tap.missed if idx > after)
+    assert len(added) == 1 or (not added and missed), (model_id, added, missed)
+
+
 def test_a_partition_heals_into_one_master_and_one_history(tmp_path):
     with netns_cluster(3, tmp_path, {"EXO_SNAPSHOT_EVENTS": "3"}) as nodes:
         states = wait_converged(nodes, timeout=60)
@@ -84,15 +93,14 @@ def test_a_partition_heals_into_one_master_and_one_history(tmp_path):
                 what="both sides' cards",
             )
         lost = "acme/majority" if winner is lone else "acme/minority"
-        written = [e for e in winner_seen.events.values() if e["event"].get("card", {}).get("model_id") == lost]
-        assert len(written) == 1, written  # asked again by each node of the losing side, added once
+        # Asked again by each node of the losing side, added once.
+        assert_added_once(winner_seen, lost, split_at)
 
         # One master takes commands now: a card added through any node is in every State once.
+        before = max(winner_seen.events)
         assert lone.post("/models", json=card("acme/after")).status_code == 200
         for node in nodes:
             node.wait_for_state(lambda s: "acme/after" in s["customModelCards"], timeout=15, what="card after heal")
-        seen = winner_seen.stop()
         for tap in taps:
             tap.stop()
-        added = [e for e in seen.values() if e["event"].get("card", {}).get("model_id") == "acme/after"]
-        assert len(added) == 1
+        assert_added_once(winner_seen, "acme/after", before)
