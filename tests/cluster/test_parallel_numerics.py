@@ -13,12 +13,8 @@ MLA), both ways, for gpt_oss pipeline (4-way puts a rank boundary after an odd l
 which 2-way over 4 layers does not) and for gemma4 pipeline; EXO_PARALLEL_FULL=1 runs
 every case."""
 
-import json
 import os
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +23,12 @@ import pytest
 from exo.devtools.tiny_configs import TINY_CONFIGS
 from exo.devtools.tiny_models import make_tiny
 from exo.shared.models.families import has_tensor_strategy
-from tests.support.ranks import free_ports
+from tests.support.ranks import run_ranks
 
 PROMPT = [(i * 37 + 11) % 320 for i in range(32)]  # every tiny vocab has >= 384 tokens
 DECODE_STEPS = 16
+DECODE = ["--decode-steps", str(DECODE_STEPS)]
 TOLERANCE = 1e-4
-RANK_TIMEOUT_S = 180.0  # a 4-way case takes ~2 s of CPU per rank, but minutes on a loaded box
 
 ARCHITECTURES = list(TINY_CONFIGS)
 FULL = os.environ.get("EXO_PARALLEL_FULL", "") not in ("", "0")
@@ -46,13 +42,6 @@ FOUR_WAY_DEFAULT = {
     # keeps them on the last rank (placement's pipeline_tail_start).
     ("gemma4", "pipeline"),
 }
-
-# The ranks import transformers only for the tokenizer; blocking torch (as on a Mac with
-# just MLX) halves each rank's start-up time.
-RANK_LAUNCHER = (
-    "import runpy, sys; sys.modules['torch'] = None; "
-    "runpy.run_module('exo.devtools.parallel_check', run_name='__main__', alter_sys=True)"
-)
 
 
 def _n_layers(config: dict) -> int:
@@ -110,52 +99,6 @@ def references(model_dirs: dict[str, Path]) -> dict[str, dict[str, np.ndarray]]:
     return Computed()
 
 
-def _run_ranks(model_dir: Path, sharding: str, world_size: int, out_dir: Path) -> list[dict[str, np.ndarray]]:
-    """Starts every rank at once and waits for all; the first failure kills the rest."""
-    hosts = ",".join(f"127.0.0.1:{port}" for port in free_ports(world_size))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
-    procs, logs = [], []
-    for rank in range(world_size):
-        log = open(out_dir / f"rank{rank}.log", "w+")  # closed below
-        logs.append(log)
-        cmd = [
-            sys.executable, "-c", RANK_LAUNCHER, str(model_dir), str(out_dir / f"rank{rank}.npz"),
-            "--sharding", sharding, "--world-size", str(world_size), "--rank", str(rank),
-            "--hosts", hosts, "--prompt", json.dumps(PROMPT), "--decode-steps", str(DECODE_STEPS),
-        ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-    failure = None
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    try:
-        while any(proc.poll() is None for proc in procs):
-            failed = [rank for rank, proc in enumerate(procs) if proc.returncode not in (None, 0)]
-            if failed:
-                failure = f"rank {failed[0]} exited with {procs[failed[0]].returncode}"
-                break
-            if time.monotonic() > deadline:
-                failure = f"ranks still running after {RANK_TIMEOUT_S:.0f}s"
-                break
-            time.sleep(0.1)
-        else:
-            failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
-            if failed:
-                failure = f"rank {failed[0]} exited with {procs[failed[0]].returncode}"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read())
-            log.close()
-    if failure:
-        tails = "\n".join(f"--- rank {rank} ---\n{output[-3000:]}" for rank, output in enumerate(outputs))
-        pytest.fail(f"{sharding} x{world_size}: {failure}\n{tails}")
-    return [dict(np.load(out_dir / f"rank{rank}.npz")) for rank in range(world_size)]
-
-
 @pytest.mark.parametrize(("arch", "sharding", "world_size"), _cases())
 def test_split_model_matches_single_process(
     arch: str,
@@ -168,7 +111,7 @@ def test_split_model_matches_single_process(
     reference = references[arch]
     assert reference["logits"].shape[0] == DECODE_STEPS + 1 and np.isfinite(reference["logits"]).all()
 
-    ranks = _run_ranks(model_dirs[arch], sharding, world_size, tmp_path)
+    ranks = run_ranks(model_dirs[arch], tmp_path, sharding, world_size, PROMPT, DECODE)
 
     diffs = [float(np.abs(result["logits"] - reference["logits"]).max()) for result in ranks]
     print(f"{arch} {sharding} x{world_size}: max |logit diff| per rank {[f'{d:.2e}' for d in diffs]}")
@@ -250,7 +193,7 @@ def test_pipeline_ranks_agree_on_the_hidden_states_dtype(tmp_path: Path) -> None
     reference = run_rank(model_dir, build_instance(model_dir, Sharding.Pipeline, 1, []), 0, PROMPT, DECODE_STEPS)
     assert np.isfinite(reference["logits"]).all()
 
-    ranks = _run_ranks(model_dir, "pipeline", 2, tmp_path)
+    ranks = run_ranks(model_dir, tmp_path, "pipeline", 2, PROMPT, DECODE)
 
     diffs = [float(np.abs(result["logits"] - reference["logits"]).max()) for result in ranks]
     print(f"bf16 + float32 norms, pipeline x2: max |logit diff| per rank {diffs}")

@@ -3,13 +3,9 @@ family's own prompt, and exo's output parser reads the expected reasoning, conte
 tool call out of it."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model, load_tokenizer
@@ -28,7 +24,7 @@ from exo.devtools.scripted_models import make_scripted_model, render_prompt
 from exo.engine.parsing.base import Parsed
 from exo.engine.parsing.output import make_output_parser, think_markers_for, tool_format_for
 from exo.engine.parsing.reasoning import prompt_opens_reasoning
-from tests.support.ranks import free_ports
+from tests.support.ranks import run_ranks
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
@@ -140,45 +136,6 @@ def test_the_prompt_end_token_cannot_be_a_piece(tmp_path: Path) -> None:
         make_scripted_model(tmp_path / "m", "qwen3", ["Hi", "\n", "there"])
 
 
-# The ranks import transformers only for the tokenizer; blocking torch halves their start-up.
-RANK_LAUNCHER = (
-    "import runpy, sys; sys.modules['torch'] = None; "
-    "runpy.run_module('exo.devtools.parallel_check', run_name='__main__', alter_sys=True)"
-)
-RANK_TIMEOUT_S = 180.0
-
-
-def _pipeline_tokens(model_dir: Path, prompt: list[int], steps: int, out_dir: Path) -> list[list[int]]:
-    """The greedy tokens each rank of a 2-way pipeline split (the engine's own loading and
-    sharding, over the MLX ring on loopback) produces after `prompt`."""
-    hosts = ",".join(f"127.0.0.1:{port}" for port in free_ports(2))
-    env = {key: value for key, value in os.environ.items() if not key.startswith("MLX_")}
-    procs = []
-    for rank in range(2):
-        cmd = [
-            sys.executable, "-c", RANK_LAUNCHER, str(model_dir), str(out_dir / f"rank{rank}.npz"),
-            "--sharding", "pipeline", "--world-size", "2", "--rank", str(rank), "--hosts", hosts,
-            "--prompt", json.dumps(prompt), "--decode-steps", str(steps),
-        ]  # fmt: skip
-        log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115  (closed once the rank exits)
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-    try:
-        for proc, _ in procs:
-            proc.wait(timeout=RANK_TIMEOUT_S)
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    for rank, (proc, _) in enumerate(procs):
-        if proc.returncode != 0:
-            pytest.fail(
-                f"rank {rank} exited with {proc.returncode}:\n{(out_dir / f'rank{rank}.log').read_text()[-3000:]}"
-            )
-    return [np.load(out_dir / f"rank{rank}.npz")["tokens"].tolist() for rank in range(2)]
-
-
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v4"])
 def test_split_over_two_ranks_writes_the_script(tmp_path: Path, family: str) -> None:
     expected = FAMILY_SCRIPTS[family]
@@ -187,7 +144,10 @@ def test_split_over_two_ranks_writes_the_script(tmp_path: Path, family: str) -> 
     prompt = render_prompt(tokenizer, family, SAMPLE_MESSAGES, [GET_WEATHER_TOOL])
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
 
-    ranks = _pipeline_tokens(model_dir, prompt_ids, len(expected.script) + 1, tmp_path)
+    # Each rank of a 2-way pipeline split (the engine's own loading and sharding, over the
+    # MLX ring on loopback), greedy after the prompt.
+    decode = ["--decode-steps", str(len(expected.script) + 1)]
+    ranks = [rank["tokens"].tolist() for rank in run_ranks(model_dir, tmp_path, "pipeline", 2, prompt_ids, decode)]
 
     eos = tokenizer.convert_tokens_to_ids(FAMILIES[family].eos)
     for tokens in ranks:

@@ -36,7 +36,11 @@ def connect_group(instance: Instance, shard: ShardMetadata) -> mx.distributed.Gr
         json.dump([[host] for host in instance.hosts], hostfile)
     os.environ["MLX_RANK"] = str(shard.device_rank)
     os.environ["MLX_HOSTFILE"] = hostfile.name
-    group = mx.distributed.init(backend="ring", strict=True)
+    try:
+        group = mx.distributed.init(backend="ring", strict=True)
+    finally:
+        # Read once, by init: left behind, every split load would leave a file in /tmp.
+        os.unlink(hostfile.name)
     if group.size() != shard.world_size or group.rank() != shard.device_rank:
         raise RuntimeError(f"ring formed as rank {group.rank()}/{group.size()}, expected {shard.device_rank}")
     # A first collective proves every link of the ring works before loading starts.
