@@ -131,9 +131,11 @@ def test_a_split_instance_carries_no_prompt_in_clear_between_its_ranks(tmp_path,
     with loopback_cluster(2, tmp_path, env, args=("--engine", "llamacpp")) as nodes:
         wait_converged(nodes)
         nodes[0].wait_for_state(lambda s: len(s["topology"]["connections"]) == 2, timeout=30, what="links measured")
-        previews = nodes[0].get(
-            "/instance/previews", params={"model_id": TINY_MODEL_ID, "sharding": "Pipeline", "min_nodes": 2}
-        ).json()
+        previews = (
+            nodes[0]
+            .get("/instance/previews", params={"model_id": TINY_MODEL_ID, "sharding": "Pipeline", "min_nodes": 2})
+            .json()
+        )
         split = next(p for p in previews if p["instance"] is not None and len(p["nodeIds"]) == 2)
         assert split["instance"]["engine"] == "mlx" and "unauthenticated" in split["engineReason"], split
         response = nodes[0].post(

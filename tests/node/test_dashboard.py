@@ -138,7 +138,10 @@ def test_the_dashboard_view_reads_a_real_nodes_state_and_chat_stream(exo_node: E
     # An option another node would prefill for says so, with the wait it saves.
     worth, not_worth = shown["disaggregatedPreviews"]
     name = state["nodes"][node_id]["friendlyName"]
-    assert worth["verdict"] == f"fits; prefilling on {name} would cut the first token on 8,192 tokens from 4.68 s to 1.34 s"
+    assert (
+        worth["verdict"]
+        == f"fits; prefilling on {name} would cut the first token on 8,192 tokens from 4.68 s to 1.34 s"
+    )
     assert not_worth["verdict"] == "fits"
     # Only the option worth it offers to place with the prefill there.
     assert shown["disaggregatedOptions"] == [{"prefillNodeId": "p", "decodeNodeId": node_id}, None]

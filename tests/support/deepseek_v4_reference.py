@@ -822,4 +822,3 @@ class Transformer(nn.Module):
             h = layer(h, start_pos, input_ids)
         logits = self.head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.norm)
         return logits
-

@@ -22,7 +22,9 @@ print(any({file!r} in line for line in open("/proc/self/maps")))
 def _maps_openblas(env_extra: dict[str, str]) -> bool:
     env = {**os.environ, **env_extra}
     probe = PROBE.format(file=OPENBLAS_FILE)
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env, check=True
+    )
     return out.stdout.strip().splitlines()[-1] == "True"
 
 

@@ -89,7 +89,9 @@ async def _fetch(client: httpx.AsyncClient, url: str, number: int, limit: int) -
 def _checked(data: bytes, number: int, store: Path | None, holder: NodeId) -> ImageInput:
     """The bytes as an image: decodable, within the byte and pixel limits."""
     if len(data) > max_image_bytes():
-        raise _bad_image(f"image {number} is {len(data)} bytes, over the limit of {max_image_bytes()}", "image_too_large")
+        raise _bad_image(
+            f"image {number} is {len(data)} bytes, over the limit of {max_image_bytes()}", "image_too_large"
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -135,7 +137,9 @@ async def resolve_images(
         return params
     unsupported = kinds - IMAGE_PARTS if "vision" in card.capabilities else kinds
     if unsupported:
-        reason = "the model takes text and images only" if "vision" in card.capabilities else "the model takes text only"
+        reason = (
+            "the model takes text and images only" if "vision" in card.capabilities else "the model takes text only"
+        )
         raise ApiError(
             400,
             f"{params.model} cannot read {', '.join(sorted(unsupported))} content: {reason}",

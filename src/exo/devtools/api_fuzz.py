@@ -134,7 +134,9 @@ def main() -> None:
         models_dir = Path(scratch) / "models"
         make_tiny_llama(models_dir / MODEL_ID.replace("/", "--"))
         hub = fuzz_hub(Path(scratch) / "hub")
-        process, url = start_node(Path(scratch) / "home", node_env(models_dir, hub), ("--no-auto-place",), offline=False)
+        process, url = start_node(
+            Path(scratch) / "home", node_env(models_dir, hub), ("--no-auto-place",), offline=False
+        )
         try:
             place_and_wait(url, MODEL_ID)
             result = fuzz_node(url, args.examples)
