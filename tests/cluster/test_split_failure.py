@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from exo.worker.planner import RESTART_BACKOFF_SECONDS
 from tests.support.cluster import loopback_cluster, wait_converged
 from tests.support.node import TINY_MODEL_ID
 
@@ -69,8 +70,8 @@ def test_a_split_instance_failing_the_same_way_on_every_rank_is_given_up_on(engi
             assert f"the runner of {BROKEN_MODEL_ID} failed 3 times" in reason, reason
             assert load_error in reason, reason
 
-        # Longer than the longest backoff: nothing comes back on its own.
-        time.sleep(10)
+        # Longer than a fourth attempt's backoff would be: nothing comes back on its own.
+        time.sleep(RESTART_BACKOFF_SECONDS * 3 + 1)
         for node in nodes:
             state = node.state()
             assert state["instances"] == {} and state["runners"] == {}
