@@ -11,7 +11,7 @@
 # this checkout's .venv, for CPython 3.12 on manylinux x86_64, and MLX's CUDA 13 build
 # (its wheel is 90 MB): unpacked, its library stripped of symbols, xz'd (about 74 MB) and
 # split into parts of PART_MB (default 50) for copies limited in size: 50 and 24 MB, and
-# 25 MB of wheels. install puts the wheels into SITE (pip --target, no index, no
+# 26 MB of wheels. install puts the wheels into SITE (pip --target, no index, no
 # dependencies) and the CUDA build over them.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -31,14 +31,11 @@ pack() {
   local dir=${1:-gpu-kit} part_mb=${2:-50}
   local python=$root/.venv/bin/python
   [ -x "$python" ] || { echo "pack reads the versions of $root/.venv: run scripts/setup.sh first" >&2; exit 1; }
-  rm -rf "$dir" && mkdir -p "$dir/wheels"
-  local pins=() name version
-  for name in "${KIT_PACKAGES[@]}"; do
-    version=$("$python" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$name")
-    pins+=("$name==$version")
-  done
-  local mlx_version
-  mlx_version=$("$python" -c 'import importlib.metadata as m; print(m.version("mlx"))')
+  # Only what an earlier pack wrote goes: DIR may be a directory that holds other things.
+  rm -rf "$dir/wheels" "$dir"/mlx-cuda.tar.xz.part-* && mkdir -p "$dir/wheels"
+  version_of() { "$python" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$1"; }
+  local pins=() name
+  for name in "${KIT_PACKAGES[@]}"; do pins+=("$name==$(version_of "$name")"); done
   local platform_args=()
   for name in "${PLATFORMS[@]}"; do platform_args+=(--platform "$name"); done
   "$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
@@ -46,7 +43,7 @@ pack() {
   local scratch
   scratch=$(mktemp -d)
   "$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
-    "${platform_args[@]}" -d "$scratch" "mlx-cuda-13==$mlx_version"
+    "${platform_args[@]}" -d "$scratch" "mlx-cuda-13==$(version_of mlx)"
   (cd "$scratch" && "$python" -m zipfile -e mlx_cuda_13-*.whl unpacked)
   strip --strip-unneeded "$scratch"/unpacked/mlx/lib/libmlx.so
   tar -C "$scratch/unpacked" -cf - . | xz -9 -T0 | split -b "$((part_mb * 1000 * 1000))" -d - "$dir/mlx-cuda.tar.xz.part-"
