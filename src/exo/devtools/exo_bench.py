@@ -338,7 +338,7 @@ def _texts_match(what: str, cell: str, row: dict[str, Any], base: dict[str, Any]
 def print_table(rows: list[dict[str, Any]], found: list[dict[str, Any]]) -> None:
     header = (
         f"{'target':<16} {'pp':>5} {'tg':>4} {'c':>2} {'cache':>5} {'prompt':>6} {'cached':>6}"
-        f" {'TTFT s':>7} {'pp tok/s':>9} {'tg tok/s':>8} {'agg tok/s':>9}  checks"
+        f" {'TTFT s':>7} {'max s':>7} {'pp tok/s':>9} {'tg tok/s':>8} {'agg tok/s':>9}  checks"
     )
     print(header)
     print("-" * len(header))
@@ -350,7 +350,7 @@ def print_table(rows: list[dict[str, Any]], found: list[dict[str, Any]]) -> None
             checks += f" kv={r['kv_bytes'] / 1e6:.2f}MB in {r['kv_s']:.3f}s (prefill {r['kv_prefill_s']:.3f}s)"
         print(
             f"{r['target']:<16} {r['pp']:>5} {r['tg']:>4} {r['concurrency']:>2} {r['prefix_cache']:>5}"
-            f" {r['prompt_tokens']:>6} {r['cached_tokens']:>6} {r['ttft_s']:>7.3f} {r['prefill_tps']:>9.1f}"
+            f" {r['prompt_tokens']:>6} {r['cached_tokens']:>6} {r['ttft_s']:>7.3f} {r['ttft_max_s']:>7.3f} {r['prefill_tps']:>9.1f}"
             f" {r['decode_tps']:>8.1f} {r['aggregate_tps']:>9.1f}  {checks}"
         )
     print()
