@@ -51,6 +51,8 @@ def test_exo_bench_sweeps_every_target_and_writes_json(tmp_path):
         assert abs(row["prompt_tokens"] - PP) <= PP // 4, (key, row["prompt_tokens"])
         assert row["completion_tokens"] == TG, key
         assert len(row["texts"]) == key[1] and _rate_or_burst(row["aggregate_tps"]) and row["ttft_s"] > 0
+        # End to end: every token over the round's whole time, first request sent to last token.
+        assert 0 < row["end_to_end_tps"] and row["ttft_max_s"] >= row["ttft_s"], key
         if key[1] > 1:
             assert row["identical_to_solo"] is True, key
         if key[2] == "on":
@@ -60,6 +62,7 @@ def test_exo_bench_sweeps_every_target_and_writes_json(tmp_path):
     whats = {entry["what"] for entry in report["ratios"]}
     assert {"exo single vs mlx-lm (aggregate)", "exo single: 2 streams vs 1 (aggregate)"} <= whats
     assert {"exo single: TTFT prefix off / on", "mlx_lm.server vs mlx-lm (aggregate)"} <= whats
+    assert "exo single vs mlx-lm (end to end)" in whats
     # The runner's peak held its weights and the largest cell's KV at least.
     [memory] = [e for e in report["ratios"] if e["what"] == "exo single: peak memory / (weights + the requests' KV)"]
     assert memory["ratio"] >= 1.0 and memory["cell"].startswith(f"pp={PP} tg={TG} c=2")

@@ -4,7 +4,11 @@ against any server that speaks them (an exo node, mlx_lm.server).
 A request's time to first token is from sending it to its first streamed token; its
 decode rate counts the tokens after the first over the time from the first to the last.
 A round of N concurrent requests also has an aggregate: all requests' tokens after their
-first over the time from the earliest first token to the latest last one. A streamed
+first over the time from the earliest first token to the latest last one; and an end to
+end rate: all their tokens over the time from the first one sent to the latest last
+token, which does not depend on the order a server serves them in (the aggregate's
+window opens at the earliest first token, so a server that starts one request decoding
+before the others have their first token widens its own window). A streamed
 answer whose tokens after the first came in one event has no decode rate a client can
 measure: that is NaN, printed as nan, rather than a rate of millions."""
 
@@ -71,6 +75,11 @@ class Round:
             return math.nan
         return decoded / max(window, 1e-9)
 
+    @property
+    def end_to_end_tps(self) -> float:
+        window = max(r.last_at for r in self.requests) - min(r.sent_at for r in self.requests)
+        return sum(r.tokens for r in self.requests) / max(window, 1e-9)
+
     def summary(self) -> dict[str, Any]:
         count = len(self.requests)
         ttfts = [r.ttft for r in self.requests]
@@ -83,6 +92,7 @@ class Round:
             "prefill_tps": sum(r.prompt_tokens / max(r.ttft, 1e-9) for r in self.requests) / count,
             "decode_tps": sum(r.decode_tps for r in self.requests) / count,
             "aggregate_tps": self.aggregate_tps,
+            "end_to_end_tps": self.end_to_end_tps,
             "proposals_kept": _kept(self.requests),
             "kv_bytes": round(sum(r.kv_bytes for r in self.requests) / count),
             "kv_s": sum(r.kv_seconds for r in self.requests) / count,

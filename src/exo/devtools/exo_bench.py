@@ -255,6 +255,8 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             other = by_key.get((base, pp, tg, conc, prefix))
             if other and base != target:
                 found.append(_ratio(f"{target} vs {base} (aggregate)", cell, row, other, "aggregate_tps"))
+                if conc > 1:
+                    found.append(_ratio(f"{target} vs {base} (end to end)", cell, row, other, "end_to_end_tps"))
                 found.append(_texts_match(f"{target} vs {base}", cell, row, other))
         found += _disaggregation_ratios(by_key, target, (pp, tg, conc, prefix), cell, row)
         if "cold_ttft_s" in row:
@@ -338,7 +340,7 @@ def _texts_match(what: str, cell: str, row: dict[str, Any], base: dict[str, Any]
 def print_table(rows: list[dict[str, Any]], found: list[dict[str, Any]]) -> None:
     header = (
         f"{'target':<16} {'pp':>5} {'tg':>4} {'c':>2} {'cache':>5} {'prompt':>6} {'cached':>6}"
-        f" {'TTFT s':>7} {'max s':>7} {'pp tok/s':>9} {'tg tok/s':>8} {'agg tok/s':>9}  checks"
+        f" {'TTFT s':>7} {'max s':>7} {'pp tok/s':>9} {'tg tok/s':>8} {'agg tok/s':>9} {'e2e tok/s':>9}  checks"
     )
     print(header)
     print("-" * len(header))
@@ -351,7 +353,7 @@ def print_table(rows: list[dict[str, Any]], found: list[dict[str, Any]]) -> None
         print(
             f"{r['target']:<16} {r['pp']:>5} {r['tg']:>4} {r['concurrency']:>2} {r['prefix_cache']:>5}"
             f" {r['prompt_tokens']:>6} {r['cached_tokens']:>6} {r['ttft_s']:>7.3f} {r['ttft_max_s']:>7.3f} {r['prefill_tps']:>9.1f}"
-            f" {r['decode_tps']:>8.1f} {r['aggregate_tps']:>9.1f}  {checks}"
+            f" {r['decode_tps']:>8.1f} {r['aggregate_tps']:>9.1f} {r['end_to_end_tps']:>9.1f}  {checks}"
         )
     print()
     for entry in found:
