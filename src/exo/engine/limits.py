@@ -33,6 +33,14 @@ def chunk_tokens() -> int | None:
     return int(configured) if configured else None
 
 
+# An idle engine's first step waits for the requests sent with the one that woke it: until
+# none has come for GATHER_SECONDS (GATHER_MAX_SECONDS at most), so they prefill in one
+# step instead of the first alone and the rest a step later (the API passes them on ~3 ms
+# apart here). A lone request's first token comes that much later; a busy engine takes a
+# new request at its next step, as it would have. EXO_GATHER_MS=0: step at once.
+GATHER_SECONDS = float(os.environ.get("EXO_GATHER_MS", "5")) / 1000
+GATHER_MAX_SECONDS = 0.05
+
 # The prefix cache: finished requests' prompt + answer kept, up to this many entries and
 # bytes (as tokens of KV), and never past the runner's memory budget.
 PREFIX_CACHE_ENTRIES = int(os.environ.get("EXO_PREFIX_CACHE_ENTRIES", "16"))

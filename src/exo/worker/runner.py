@@ -13,6 +13,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from exo.engine import limits
 from exo.engine.base import Engine
 from exo.engine.kv_handoff import HandoffEngine
 from exo.shared.types.common import CommandId, RunnerId, TaskId
@@ -64,6 +65,30 @@ class Fallback:
     refused: type[Exception]
 
 
+class Gathering:
+    """Requests that come to an idle engine close together, held for its next step
+    (limits.GATHER_SECONDS): the first opens a gathering, each one submitted while it is
+    open keeps it open a while longer, and the step closes it."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.until = 0.0  # no step before this while open
+        self.latest = 0.0  # nor after this
+
+    def arrived(self, engine_was_idle: bool) -> None:
+        now = time.monotonic()
+        if engine_was_idle:
+            self.open, self.latest = True, now + limits.GATHER_MAX_SECONDS
+        if self.open:
+            self.until = min(now + limits.GATHER_SECONDS, self.latest)
+
+    def remaining(self) -> float:
+        return max(0.0, self.until - time.monotonic()) if self.open else 0.0
+
+    def close(self) -> None:
+        self.open = False
+
+
 class Runner:
     def __init__(
         self,
@@ -88,6 +113,7 @@ class Runner:
         # From the usage of the requests it finished; reported with the load.
         self.prefix_cache = PrefixCacheStats()
         self.chunks = HeldChunks(self.conn.send)
+        self.gathering = Gathering()
         # Disaggregated serving, where the instance has a prefill side (engine/kv_handoff.py).
         self.handoffs = (
             RunnerHandoffs(instance, engine)
@@ -103,8 +129,9 @@ class Runner:
         while not self.following:
             # Block for instructions only when idle; while generating, take what has
             # arrived and keep stepping. A KV handoff's socket may wake an idle runner
-            # instead: it steps (generate_step takes what the handoffs brought).
-            if self.conn.poll() or not self.engine.has_work:
+            # instead: it steps (generate_step takes what the handoffs brought). Requests
+            # that wake it are gathered for a moment first (Gathering).
+            if self.conn.poll(self.gathering.remaining()) or not self.engine.has_work:
                 if self.handoffs is not None and not self.conn.poll():
                     self.handoffs.wait(self.conn)
                 if self.handoffs is None or self.conn.poll():
@@ -114,6 +141,7 @@ class Runner:
             if self.handoffs is not None:
                 self._poll_handoffs()
             if self.engine.has_work:
+                self.gathering.close()
                 self.generate_step()
         # A follower's steps block in collectives until rank 0 leads the next one;
         # rank 0 also tells it when to shut down.
@@ -207,7 +235,9 @@ class Runner:
                 try:
                     # A long prompt waits for its KV from the prefill runner, then is submitted.
                     if self.handoffs is None or not self.handoffs.start(command_id, params):
+                        was_idle = not self.engine.has_work
                         self.engine.submit(command_id, params)
+                        self.gathering.arrived(was_idle)
                 except Exception as error:  # a bad prompt fails its request, not the runner
                     logger.exception("submit failed")
                     # A ValueError is the input's (a processor refusing an image); others are ours.
