@@ -3,10 +3,28 @@
 from dataclasses import replace
 
 from exo.devtools.local_engine import load_engine
-from exo.shared.types.common import CommandId
+from exo.shared.models.model_cards import ModelCard
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId
+from exo.shared.types.instances import EngineKind, Instance, ShardAssignments, Sharding
+from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams, Usage
 
-__all__ = ["answers", "load_engine", "set_step_tokens", "tokens_of", "usage_of"]
+__all__ = ["answers", "lone_instance", "load_engine", "set_step_tokens", "tokens_of", "usage_of"]
+
+
+def lone_instance(card: ModelCard, runner: RunnerId, engine: EngineKind) -> Instance:
+    """An instance of one runner holding the whole model ("instance-a" on node "n")."""
+    shard = PipelineShardMetadata(
+        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers, n_layers=card.n_layers
+    )
+    return Instance(
+        instance_id=InstanceId("instance-a"),
+        sharding=Sharding.Pipeline,
+        shard_assignments=ShardAssignments(
+            model_id=ModelId(card.model_id), runner_to_shard={runner: shard}, node_to_runner={NodeId("n"): runner}
+        ),
+        engine=engine,
+    )
 
 
 def set_step_tokens(monkeypatch, engine, tokens: int) -> None:

@@ -14,14 +14,13 @@ import pytest
 from exo.catalog.cards import card_from_model_dir
 from exo.devtools.tiny_models import make_tiny_llama
 from exo.engine import limits
-from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
-from exo.shared.types.instances import EngineKind, Instance, ShardAssignments, Sharding
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.common import CommandId, InstanceId, ModelId, RunnerId, TaskId
+from exo.shared.types.instances import EngineKind
 from exo.shared.types.tasks import TextGenerationTask
 from exo.shared.types.text_generation import ChunkGenerated, TextGenerationTaskParams
 from exo.worker.runner import Runner
 from exo.worker.runner_protocol import Shutdown, SubmitTask
-from tests.support.engine import load_engine, set_step_tokens
+from tests.support.engine import load_engine, lone_instance, set_step_tokens
 
 RUNNER = RunnerId("runner-a")
 REQUESTS = 4
@@ -40,21 +39,6 @@ def engine(model_dir):
     loaded.close()
 
 
-def _instance(model_dir) -> Instance:
-    card = card_from_model_dir(model_dir, "test/model")
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers, n_layers=card.n_layers
-    )
-    return Instance(
-        instance_id=InstanceId("instance-a"),
-        sharding=Sharding.Pipeline,
-        shard_assignments=ShardAssignments(
-            model_id=ModelId(card.model_id), runner_to_shard={RUNNER: shard}, node_to_runner={NodeId("n"): RUNNER}
-        ),
-        engine=EngineKind.Mlx,
-    )
-
-
 def _prefilled_per_step(engine, model_dir) -> list[set[CommandId]]:
     """Sends REQUESTS requests SENT_APART apart to a runner on `engine`; returns, for each
     step that prefilled something, the requests it prefilled."""
@@ -70,7 +54,9 @@ def _prefilled_per_step(engine, model_dir) -> list[set[CommandId]]:
 
     engine.step = recorded  # observed, not replaced: the real step runs
     ours, theirs = Pipe()
-    runner = Runner(theirs, RUNNER, _instance(model_dir), engine)
+    runner = Runner(
+        theirs, RUNNER, lone_instance(card_from_model_dir(model_dir, "test/model"), RUNNER, EngineKind.Mlx), engine
+    )
     engine.close = lambda: None  # the module's engine outlives this runner
     thread = threading.Thread(target=runner.run)
     thread.start()

@@ -7,36 +7,27 @@ import time
 from pathlib import Path
 
 from exo.catalog.cards import builtin_cards
-from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
+from exo.shared.types.common import RunnerId
 from exo.shared.types.events import Event, RunnerStatusUpdated
-from exo.shared.types.instances import EngineKind, Instance, ShardAssignments, Sharding
+from exo.shared.types.instances import EngineKind
 from exo.shared.types.runners import RunnerIdle
-from exo.shared.types.shards import PipelineShardMetadata
 from exo.worker.supervisor import RunnerSupervisor, SpareRunner, ran_runners, record_runners
+from tests.support.engine import lone_instance
 
 RUNNER = RunnerId("runner-a")
-
-
-def lone_instance() -> Instance:
-    card = builtin_cards()["mlx-community/Qwen3.5-2B-MLX-8bit"]
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers, n_layers=card.n_layers
-    )
-    return Instance(
-        instance_id=InstanceId("instance-a"),
-        sharding=Sharding.Pipeline,
-        shard_assignments=ShardAssignments(
-            model_id=ModelId(card.model_id), runner_to_shard={RUNNER: shard}, node_to_runner={NodeId("n"): RUNNER}
-        ),
-        engine=EngineKind.LlamaCpp,
-    )
 
 
 def test_the_first_runner_is_the_spare_process():
     async def scenario() -> None:
         spare = SpareRunner(EngineKind.LlamaCpp, verbose=False)
         statuses: asyncio.Queue[Event] = asyncio.Queue()
-        supervisor = RunnerSupervisor(RUNNER, lone_instance(), statuses.put_nowait, lambda _: None, spare=spare)
+        supervisor = RunnerSupervisor(
+            RUNNER,
+            lone_instance(builtin_cards()["mlx-community/Qwen3.5-2B-MLX-8bit"], RUNNER, EngineKind.LlamaCpp),
+            statuses.put_nowait,
+            lambda _: None,
+            spare=spare,
+        )
         try:
             assert supervisor.process is spare.process
             first = await asyncio.wait_for(statuses.get(), timeout=60)
