@@ -9,9 +9,10 @@
 #    this machine, raw mlx-lm (`BatchGenerator`) and mlx_lm.server, on a random float32
 #    llama (2048 x 16, about 3 GB): 1 and 8 streams of 128 and 2,048-token prompts, the
 #    splits' texts checked against one node's.
-# 2. Step: the 8 x 2,048-token cell again, exo on one node against raw mlx-lm, with exo's
-#    step made mlx-lm's (EXO_PREFILL_STEP=16384 EXO_PREFILL_CHUNK=2048: 8 prompts of 2,048
-#    tokens a forward), to choose the GPU's default step (docs/engines.md, "On a GPU").
+# 2. Step: the 8 x 2,048-token cell again, exo on one node against raw mlx-lm, and the
+#    memory cell below, with exo's step made mlx-lm's (EXO_PREFILL_STEP=16384
+#    EXO_PREFILL_CHUNK=2048: 8 prompts of 2,048 tokens a forward), to choose the GPU's
+#    default step by what it gives and what it costs (docs/engines.md, "On a GPU").
 # 3. Memory: 16 prompts of 4,096 tokens at once on a 4096 x 8 llama (about 7 GB) with the
 #    prefix cache on, and exo's peak memory against the weights plus the requests' KV.
 #
@@ -30,18 +31,26 @@ export PYTHONUNBUFFERED=1
 read -r -a batch_model <<<"${BATCH_MODEL:---hidden 2048 --layers 16}"
 read -r -a memory_model <<<"${MEMORY_MODEL:---hidden 4096 --layers 8}"
 
+# 16 prompts of 4,096 tokens at once, the prefix cache on; $1 names the files.
+memory_cell() {
+  "${bench[@]}" "${memory_model[@]}" --context 8192 --pp 4096 --tg 16 --concurrency 16 --prefix-cache on \
+      --rounds 1 --json "$out/$1.json" 2>&1 | tee "$out/$1.log"
+}
+
 if [ "$part" = batching ] || [ "$part" = all ]; then
   echo "== batching and splits"
   "${bench[@]}" "${batch_model[@]}" --side-by-side --verify --pp 128,2048 --tg 128 --concurrency 1,8 \
       --placements single,pipeline,tensor --rounds 2 --json "$out/batching.json" 2>&1 | tee "$out/batching.log"
 fi
 if [ "$part" = step ] || [ "$part" = all ]; then
-  echo "== the 8 x 2,048 cell with mlx-lm's step"
-  EXO_PREFILL_STEP=16384 EXO_PREFILL_CHUNK=2048 "${bench[@]}" "${batch_model[@]}" --side-by-side --pp 2048 --tg 128 \
-      --concurrency 8 --placements single --rounds 2 --json "$out/step.json" 2>&1 | tee "$out/step.log"
+  echo "== the 8 x 2,048 cell and the memory cell with mlx-lm's step"
+  export EXO_PREFILL_STEP=16384 EXO_PREFILL_CHUNK=2048
+  "${bench[@]}" "${batch_model[@]}" --side-by-side --pp 2048 --tg 128 --concurrency 8 --placements single \
+      --rounds 2 --json "$out/step.json" 2>&1 | tee "$out/step.log"
+  memory_cell step-memory
+  unset EXO_PREFILL_STEP EXO_PREFILL_CHUNK
 fi
 if [ "$part" = memory ] || [ "$part" = all ]; then
   echo "== memory"
-  "${bench[@]}" "${memory_model[@]}" --context 8192 --pp 4096 --tg 16 --concurrency 16 --prefix-cache on \
-      --rounds 1 --json "$out/memory.json" 2>&1 | tee "$out/memory.log"
+  memory_cell memory
 fi
