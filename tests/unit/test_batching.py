@@ -9,6 +9,7 @@ mlx-lm's own generate_step."""
 
 from collections import defaultdict
 from dataclasses import replace
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -207,6 +208,79 @@ def test_short_prompts_arriving_together_prefill_in_one_step_within_the_budget(e
                 assert chunk.prefill.processed_tokens - done <= 64
                 done = chunk.prefill.processed_tokens
     assert done > 64
+
+
+def _forwards_of(engine: MlxEngine, names: list[str], monkeypatch) -> tuple[list[tuple[int, int]], dict, set]:
+    """The named requests submitted together and stepped to the end: the prompt forwards
+    the engine ran, as (rows, longest chunk), everyone's answer, and who had a first token
+    after the first step."""
+    forwards: list[tuple[int, int]] = []
+    together, alone = engine_module.prefill_together, engine_module.prefill_chunk
+
+    def recorded_together(model, caches, chunks):
+        forwards.append((len(chunks), max(len(chunk) for chunk in chunks)))
+        return together(model, caches, chunks)
+
+    def recorded_alone(model, tokens, cache, *args):
+        forwards.append((1, len(tokens)))
+        return alone(model, tokens, cache, *args)
+
+    engine.scheduler.prefix_cache.clear()
+    out = _record()
+    with monkeypatch.context() as patched:
+        patched.setattr(engine_module, "prefill_together", recorded_together)
+        patched.setattr(engine_module, "prefill_chunk", recorded_alone)
+        for name in names:
+            engine.submit(CommandId(name), REQUESTS[name])
+        first = engine.step()
+        _collect(first, out)
+        while engine.has_work:
+            _collect(engine.step(), out)
+    return forwards, out, {chunk.command_id for chunk in first if chunk.token_ids}
+
+
+def test_a_steps_prompt_chunks_past_a_forwards_attention_area_go_through_in_more_forwards(engine, monkeypatch):
+    # Three prompts (about 20 to 50 tokens) in one step of 256 tokens. With no limit on
+    # attention's area they prefill in one forward; with an area that fits any one of them
+    # alone but not all three padded to one length, in more forwards within it. Either
+    # way every one has its first token after that step and answers as it does alone.
+    names = ["short", "middle", "biased"]
+    alone = {name: _alone(engine, name) for name in names}
+    budget = replace(engine.scheduler.budget, step_tokens=256, forward_area=None)
+    monkeypatch.setattr(engine.scheduler, "budget", budget)
+    forwards, out, first = _forwards_of(engine, names, monkeypatch)
+    assert len(forwards) == 1 and forwards[0][0] == 3, forwards
+    assert first == set(names)
+    longest = forwards[0][1]  # no prompt is cached: a chunk attends to itself alone
+    area = 2 * longest * longest - 1
+    monkeypatch.setattr(engine.scheduler, "budget", replace(budget, forward_area=area))
+    forwards, out, first = _forwards_of(engine, names, monkeypatch)
+    assert len(forwards) >= 2, forwards
+    assert all(rows * chunk * chunk <= area for rows, chunk in forwards), (forwards, area)
+    assert sum(rows for rows, _ in forwards) == 3
+    assert first == set(names)
+    for name in names:
+        _assert_same(out[name], alone[name], name)
+
+
+def test_a_chunk_whose_attention_exceeds_a_forwards_area_alone_is_cut_to_fit(engine, monkeypatch):
+    # An area of 400 query-key pairs: a prompt of ~50 tokens feeds 20 (20 x 20), then
+    # chunks that shrink as it goes deeper (13 x 33, ...), and answers as it does alone.
+    alone = _alone(engine, "middle")
+    budget = replace(engine.scheduler.budget, step_tokens=256, forward_area=400)
+    monkeypatch.setattr(engine.scheduler, "budget", budget)
+    engine.scheduler.prefix_cache.clear()
+    out = _record()
+    engine.submit(CommandId("middle"), REQUESTS["middle"])
+    fed = [0]
+    while engine.has_work:
+        chunks = engine.step()
+        _collect(chunks, out)
+        fed += [chunk.prefill.processed_tokens for chunk in chunks if chunk.prefill is not None]
+    lengths = [end - start for start, end in pairwise(fed)]
+    assert lengths[0] == 20 and len(lengths) > 3, lengths
+    assert all(length * end <= 400 for length, end in zip(lengths, fed[1:], strict=True)), fed
+    _assert_same(out["middle"], alone, "middle")
 
 
 def test_each_prompt_feeds_at_most_its_chunk_a_step_beside_the_others(engine, monkeypatch):

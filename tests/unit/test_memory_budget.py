@@ -10,7 +10,7 @@ import pytest
 
 from exo.devtools.tiny_models import make_tiny_llama
 from exo.engine.mlx.engine import MlxEngine
-from exo.engine.mlx.memory import buffer_cache_bytes, score_bytes_per_pair
+from exo.engine.mlx.memory import forward_area, score_bytes_per_pair
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.text_generation import TextGenerationTaskParams
 from tests.support.engine import load_engine
@@ -79,13 +79,14 @@ def test_a_prompt_larger_than_the_budget_is_refused_with_what_fits(engine: MlxEn
     assert not engine.has_work
 
 
-def test_the_buffer_cache_keeps_one_steps_scores_not_all_the_memory_set_aside_for_them():
+def test_a_forward_computes_at_most_one_chunk_against_the_whole_context():
     # The GPU benchmark's 4096 x 8 llama (8 heads, 8,192 tokens of context) on an H200,
-    # where a quarter of what the KV leaves, 28 GB, is set aside for attention's scores.
+    # where a quarter of what the KV leaves, 28 GB, is set aside for attention's scores:
+    # a forward's are 2,048 tokens against the whole context at most (1.6 GB), and MLX's
+    # buffer cache keeps no more than that of them.
     config = {"hidden_size": 4096, "num_attention_heads": 8, "max_position_embeddings": 8192}
-    one_step = 2048 * 8192 * score_bytes_per_pair(config)  # 1.6 GB: 2,048 tokens against the whole context
-    assert buffer_cache_bytes(config, activations=1 << 29, scores=28 << 30, step_tokens=2048) == (1 << 29) + one_step
-    # Where less is set aside than a step could take (a small device), that share bounds it.
-    assert buffer_cache_bytes(config, activations=1 << 20, scores=64 << 20, step_tokens=2048) == (65 << 20)
+    assert forward_area(config, scores=28 << 30, chunk_tokens=2048) == 2048 * 8192
+    # Where less is set aside than that (a small device), that share bounds it.
+    assert forward_area(config, scores=64 << 20, chunk_tokens=2048) == (64 << 20) // score_bytes_per_pair(config)
     # A config naming no context: the share.
-    assert buffer_cache_bytes({"num_attention_heads": 8}, activations=0, scores=5 << 30, step_tokens=512) == 5 << 30
+    assert forward_area({"num_attention_heads": 8}, scores=5 << 30, chunk_tokens=512) == (5 << 30) // (3 * 4 * 8)

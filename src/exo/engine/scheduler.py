@@ -22,6 +22,7 @@ On a split instance every rank runs the same scheduler over the same requests: e
 decision here depends on token counts alone (never on time or on one rank's bytes), so
 every rank plans the same batch and the collectives agree."""
 
+import math
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -155,10 +156,10 @@ class Budget:
     # Of kv_tokens the running requests may hold at most this many (llama.cpp's context
     # cells; its prefix cache lives outside them). None: all of them.
     context_tokens: int | None = None
-    # Query-key pairs of attention one step's prompt chunks may compute (each chunk's
-    # length times the positions it attends to), where the scores are materialized;
-    # None: no limit.
-    step_area: int | None = None
+    # Query-key pairs of attention one forward may compute, where the scores are
+    # materialized: the backend runs a step's prompt chunks in as many forwards as keep
+    # within it, and a chunk is cut to fit alone. None: no limit.
+    forward_area: int | None = None
     # For /state only: what the device gives this runner and what a token costs.
     budget_bytes: int = 0
     weights_bytes: int = 0
@@ -308,7 +309,8 @@ class Scheduler:
 
     def _plan(self) -> Iterator[Row]:
         """Every decoding request's last token, then prompt chunks oldest first, within
-        the step's tokens and attention area (the first chunk takes a token at least)."""
+        the step's tokens (the first chunk takes a token at least), each cut to fit a
+        forward's attention area alone."""
         budget = self.budget.step_tokens
         decoding = [request for request in self._running.values() if not request.prefilling]
         spare = budget - len(decoding)  # what drafts may take
@@ -317,7 +319,6 @@ class Scheduler:
             spare -= len(drafts)
             budget -= 1 + len(drafts)
             yield Row(request, request.output[-1:] + drafts, request.fed, True, len(drafts))
-        chunks: list[tuple[int, int]] = []  # (length, end) of the chunks planned
         for request in self._running.values():
             if budget <= 0:
                 return
@@ -325,12 +326,8 @@ class Scheduler:
                 continue
             start = request.fed
             longest = min(budget, len(request.prompt) - start, self.budget.chunk_tokens or budget)
-            length = self._chunk_length(chunks, start, longest)
-            if length == 0:
-                return
-            end = self.backend.chunk_end(request, start, start + length)
+            end = self.backend.chunk_end(request, start, start + self._chunk_length(start, longest))
             budget -= end - start
-            chunks.append((end - start, end))
             sample = end == len(request.prompt) and not request.prefill_only
             yield Row(request, request.prompt[start:end], start, sample)
 
@@ -342,26 +339,17 @@ class Scheduler:
         room = request.answer.max_tokens - request.answer.generated - 1
         return request.proposer.propose(min(spare, room))
 
-    def _chunk_length(self, chunks: list[tuple[int, int]], start: int, longest: int) -> int:
-        """The longest chunk from `start`, at most `longest`, that keeps the step's chunks
-        within its attention area, counted as a batch padded to one length: rows x the
-        longest chunk x the deepest end. 0 when none fits beside `chunks`."""
-        area = self.budget.step_area
-        if area is None:
+    def _chunk_length(self, start: int, longest: int) -> int:
+        """The longest chunk from `start`, at most `longest` tokens (1 at least), whose
+        attention (its length x the positions it attends to) fits a forward's area."""
+        area = self.budget.forward_area
+        if area is None or longest * (start + longest) <= area:
             return longest
-
-        def cost(length: int) -> int:
-            widest = max([length, *(chunk for chunk, _ in chunks)])
-            deepest = max([start + length, *(end for _, end in chunks)])
-            return (len(chunks) + 1) * widest * deepest
-
-        if cost(longest) <= area:
-            return longest
-        low, high = 0, longest  # cost(low) fits (or low is 0), cost(high) does not
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (middle, high) if cost(middle) <= area else (low, middle)
-        return low if low > 0 or chunks else 1
+        # The positive root of length x (start + length) = area.
+        length = int((math.sqrt(start * start + 4 * area) - start) / 2)
+        while length > 1 and length * (start + length) > area:
+            length -= 1
+        return max(1, min(length, longest))
 
     # --- answers -----------------------------------------------------------------------
 

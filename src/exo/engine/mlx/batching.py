@@ -62,6 +62,24 @@ def _arrays(layer: Any) -> list[mx.array]:
     return [array for array in (layer.keys, layer.values) if array is not None]
 
 
+def forward_groups(chunks: list[tuple[int, int]], area: int | None) -> list[list[int]]:
+    """A step's prompt chunks, given as (length, end), grouped in order into forwards:
+    each a batch padded to one length whose attention (rows x its longest chunk x its
+    deepest end) stays within `area` query-key pairs; a chunk alone always makes one (the
+    scheduler cut it to fit). The indexes of each forward's chunks."""
+    groups: list[list[int]] = []
+    widest = deepest = 0
+    for index, (length, end) in enumerate(chunks):
+        wider, deeper = max(widest, length), max(deepest, end)
+        if groups and (area is None or (len(groups[-1]) + 1) * wider * deeper <= area):
+            groups[-1].append(index)
+            widest, deepest = wider, deeper
+        else:
+            groups.append([index])
+            widest, deepest = length, end
+    return groups
+
+
 def prefill_together(model: nn.Module, caches: list[list[Any]], chunks: list[list[int]]) -> list[list[Any]]:
     """Several requests' prompt chunks in one forward: their caches merged into one
     batch (left-padded to one length), the chunks right-padded to one length, as

@@ -29,7 +29,7 @@ from exo.engine.answer import AnswerStream, output_parser_for
 from exo.engine.base import ConvertProgress, LayerProgress, generate_warmup
 from exo.engine.detokenizer import StreamingDetokenizer
 from exo.engine.kv_handoff import Handoff, LayerPart, PartSink
-from exo.engine.mlx.batching import DecodeBatch, Joiner, can_batch, prefill_together
+from exo.engine.mlx.batching import DecodeBatch, Joiner, can_batch, forward_groups, prefill_together
 from exo.engine.mlx.chat_template import detected_think_markers, encode_prompt
 from exo.engine.mlx.constrained import GrammarProcessor, grammar_for, grammar_tokenizer
 from exo.engine.mlx.draft import DraftModel, DraftProposals, SharedProposals, load_draft
@@ -37,8 +37,8 @@ from exo.engine.mlx.kv_transfer import KvAssembler, KvExporter
 from exo.engine.mlx.loading import load_shard
 from exo.engine.mlx.memory import (
     activation_bytes,
-    buffer_cache_bytes,
     device_memory,
+    forward_area,
     kv_bytes_per_token,
     limit_buffer_cache,
     score_bytes_per_pair,
@@ -253,7 +253,7 @@ class MlxEngine:
         # A fifth of the rest stays free for what MLX holds twice for a moment (a cache
         # grown by concatenation, the decode batch as requests join and leave).
         kv_tokens = (spare - scores) * 4 // 5 // per_token
-        area = scores // score_bytes_per_pair(self.config)
+        area = forward_area(self.config, scores, scheduler.budget.chunk_tokens or step)
         if self.group is not None:
             kv_tokens = agree_on_minimum(kv_tokens, self.group, self.collective_stream)
             area = agree_on_minimum(area, self.group, self.collective_stream)
@@ -262,12 +262,13 @@ class MlxEngine:
             scheduler.budget,
             kv_tokens=kv_tokens,
             prefix_cache_tokens=limits.PREFIX_CACHE_BYTES // per_token,
-            step_area=area,
+            forward_area=area,
             budget_bytes=spare,
             weights_bytes=weights,
             kv_bytes_per_token=per_token,
         )
-        cached = buffer_cache_bytes(self.config, activations, scores, step)
+        # MLX's buffer cache keeps one forward's temporaries for the next to reuse.
+        cached = activations + area * score_bytes_per_pair(self.config)
         limit_buffer_cache(cached)
         logger.info(
             f"memory budget: {spare >> 20} MiB beside {weights >> 20} MiB of weights and {activations >> 20} MiB "
@@ -588,14 +589,17 @@ class MlxEngine:
                 self._prefill_alone(row, chunk)
             if row.sample and not work.batchable:
                 sampled.extend(self._decode_alone(row))
-        if len(together) == 1:
-            row, chunk = together[0]
-            prefill_chunk(self.model, chunk, row.request.work.cache, self.pipeline_ranks)
-        elif together:
+        area = self._scheduler().budget.forward_area
+        for group in forward_groups([(len(chunk), row.start + len(chunk)) for row, chunk in together], area):
+            forward = [together[index] for index in group]
+            if len(forward) == 1:
+                row, chunk = forward[0]
+                prefill_chunk(self.model, chunk, row.request.work.cache, self.pipeline_ranks)
+                continue
             caches = prefill_together(
-                self.model, [row.request.work.cache for row, _ in together], [c for _, c in together]
+                self.model, [row.request.work.cache for row, _ in forward], [chunk for _, chunk in forward]
             )
-            for (row, _), cache in zip(together, caches, strict=True):
+            for (row, _), cache in zip(forward, caches, strict=True):
                 row.request.work.cache = cache
         _export_chunks(rows)
         for row in rows:

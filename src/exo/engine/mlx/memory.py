@@ -67,16 +67,15 @@ def score_bytes_per_pair(config: dict[str, Any]) -> int:
     return 3 * 4 * int(_text_config(config).get("num_attention_heads", 32))
 
 
-def buffer_cache_bytes(config: dict[str, Any], activations: int, scores: int, step_tokens: int) -> int:
-    """What MLX's buffer cache may keep: one step's temporaries, for the next step to
-    reuse. A step's scores come to at most its tokens against the model's whole context,
-    on a large device far less than the share of memory set aside for them (a quarter of
-    what an H200 has beside a 7 GB model: 28 GB, which the cache would fill with the
-    buffers a growing KV leaves behind, sizes no step asks for again)."""
+def forward_area(config: dict[str, Any], scores: int, chunk_tokens: int) -> int:
+    """Query-key pairs of attention one forward may compute: what `scores` bytes hold, and
+    no more than one prompt chunk against the model's whole context. A step's chunks past
+    that go through in more forwards. On a large device the share set aside for scores
+    (a quarter of what an H200 has beside a 7 GB model: 28 GB) would otherwise let 8 chunks
+    of 2,048 tokens materialize theirs at once, and MLX's buffer cache keep the buffers."""
+    area = scores // score_bytes_per_pair(config)
     context = int(_text_config(config).get("max_position_embeddings") or 0)
-    if context > 0:
-        scores = min(scores, step_tokens * context * score_bytes_per_pair(config))
-    return activations + scores
+    return min(area, chunk_tokens * context) if context > 0 else area
 
 
 def limit_buffer_cache(nbytes: int) -> None:
