@@ -85,17 +85,26 @@ ChunkInputs = Callable[[int, int], dict[str, mx.array]]
 
 
 def prefill_chunk(
-    model: nn.Module, tokens: list[int], cache: list[Any], pipeline_ranks: int = 1, inputs: ChunkInputs | None = None
+    model: nn.Module,
+    tokens: list[int],
+    cache: list[Any],
+    pipeline_ranks: int = 1,
+    inputs: ChunkInputs | None = None,
+    micro_chunks: bool = True,
 ) -> None:
-    """Run one chunk of the prompt through the model, filling the cache. We evaluate the
-    hidden states, not just the caches as mlx-lm's own prefill does: on a pipeline rank
-    the send to the next rank is not an input of any cache, so evaluating only caches
-    would never send, and the ring would wait forever.
+    """Run one chunk of the prompt through the model, filling the cache. On one rank (or
+    a tensor split, whose ranks all skip the same collectives) only the caches are
+    evaluated, as mlx-lm's own prefill does: the last layer's attention output and MLP,
+    and the final norm, feed nothing a cache holds (on a 2-layer model, half the work).
+    On a pipeline rank the hidden states are evaluated too: the send to the next rank is
+    not an input of any cache, so evaluating only caches would never send, and the ring
+    would wait forever.
 
-    Split by pipeline, the chunk goes through in a few micro-chunks: while rank 1 works
-    on one, rank 0 is already on the next."""
+    Split by pipeline, the chunk goes through in a few micro-chunks (unless
+    `micro_chunks` is off, where one would cut an image run that must be seen whole):
+    while rank 1 works on one, rank 0 is already on the next."""
     inner = inner_model(model)
-    pieces = 1 if pipeline_ranks == 1 else 2 * pipeline_ranks
+    pieces = 2 * pipeline_ranks if pipeline_ranks > 1 and micro_chunks else 1
     size = max(1, -(-len(tokens) // pieces))
     with mx.stream(generation_stream):
         for start in range(0, len(tokens), size):
@@ -104,7 +113,7 @@ def prefill_chunk(
                 hidden = inner(mx.array(tokens[start:end])[None], cache=cache)
             else:
                 hidden = inner(cache=cache, **inputs(start, end))
-            mx.eval(hidden, [c.state for c in cache])
+            mx.eval(hidden if pipeline_ranks > 1 else [], [c.state for c in cache])
 
 
 def _without_prompt_token(processor: Any) -> Any:
@@ -624,9 +633,9 @@ class MlxEngine:
             self.model,
             chunk,
             work.cache,
-            # Micro-chunks would cut an image run that must be seen whole.
-            1 if whole_runs else self.pipeline_ranks,
+            self.pipeline_ranks,
             self._chunk_inputs(work, row.start),
+            micro_chunks=not whole_runs,
         )
 
     def _decode_alone(self, row: Row) -> list[Sampled]:
