@@ -10,9 +10,10 @@
 #    llama (2048 x 16, about 3 GB): 1 and 8 streams of 128 and 2,048-token prompts, the
 #    splits' texts checked against one node's.
 # 2. Step: the 8 x 2,048-token cell again, exo on one node against raw mlx-lm, and the
-#    memory cell below, with exo's step made mlx-lm's (EXO_PREFILL_STEP=16384
-#    EXO_PREFILL_CHUNK=2048: 8 prompts of 2,048 tokens a forward), to choose the GPU's
-#    default step by what it gives and what it costs (docs/engines.md, "On a GPU").
+#    memory cell below, with the GPU's step before 7 December (EXO_PREFILL_STEP=2048
+#    EXO_PREFILL_CHUNK=2048: one prompt of 2,048 tokens a step) against its default now
+#    (mlx-lm's: 8 prompts of 2,048 tokens a step), what it gives and what it costs
+#    (docs/engines.md, "On a GPU").
 # 3. Memory: 16 prompts of 4,096 tokens at once on a 4096 x 8 llama (about 7 GB) with the
 #    prefix cache on, and exo's peak memory against the weights plus the requests' KV.
 #
@@ -43,8 +44,8 @@ if [ "$part" = batching ] || [ "$part" = all ]; then
       --placements single,pipeline,tensor --rounds 2 --json "$out/batching.json" 2>&1 | tee "$out/batching.log"
 fi
 if [ "$part" = step ] || [ "$part" = all ]; then
-  echo "== the 8 x 2,048 cell and the memory cell with mlx-lm's step"
-  export EXO_PREFILL_STEP=16384 EXO_PREFILL_CHUNK=2048
+  echo "== the 8 x 2,048 cell and the memory cell with a 2,048-token step"
+  export EXO_PREFILL_STEP=2048 EXO_PREFILL_CHUNK=2048
   "${bench[@]}" "${batch_model[@]}" --side-by-side --pp 2048 --tg 128 --concurrency 8 --placements single \
       --rounds 2 --json "$out/step.json" 2>&1 | tee "$out/step.log"
   memory_cell step-memory

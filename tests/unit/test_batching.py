@@ -17,6 +17,7 @@ import pytest
 from exo.devtools.tiny_models import make_tiny_llama
 from exo.engine import limits
 from exo.engine.mlx import engine as engine_module
+from exo.engine.mlx.batching import forward_groups
 from exo.engine.mlx.engine import MlxEngine
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.text_generation import ChatMessage, ChunkGenerated, TextGenerationTaskParams
@@ -261,6 +262,31 @@ def test_a_steps_prompt_chunks_past_a_forwards_attention_area_go_through_in_more
     assert first == set(names)
     for name in names:
         _assert_same(out[name], alone[name], name)
+
+
+def test_a_steps_chunks_are_grouped_into_forwards_within_their_tokens_and_area():
+    chunks = [(2048, 2048)] * 4 + [(16, 16)]  # 4 prompts of 2,048 tokens and a short one
+    assert forward_groups(chunks, None, None) == [[0, 1, 2, 3, 4]]
+    # 4,096 tokens a forward (a GPU's): two long prompts, padded to one length, fill one.
+    assert forward_groups(chunks, None, 4096) == [[0, 1], [2, 3], [4]]
+    # The area of one 2,048-token chunk against 4,096 positions holds two at depth 2,048.
+    assert forward_groups(chunks, 2048 * 4096, None) == [[0, 1], [2, 3], [4]]
+    # A chunk too large for either still goes, alone.
+    assert forward_groups(chunks, 1000, 10) == [[0], [1], [2], [3], [4]]
+
+
+def test_an_nvidia_gpu_steps_as_mlx_lms_batch_generator_in_forwards_of_4096_tokens(monkeypatch):
+    monkeypatch.delenv("EXO_PREFILL_STEP", raising=False)
+    monkeypatch.delenv("EXO_PREFILL_CHUNK", raising=False)
+    assert (limits.step_tokens("cuda"), limits.chunk_tokens("cuda")) == (16384, 2048)
+    assert limits.forward_tokens("cuda", 16384, 2048) == 4096
+    for device, step in (("metal", 2048), ("cpu", 512)):  # one step, one chunk, one forward
+        assert (limits.step_tokens(device), limits.chunk_tokens(device)) == (step, None)
+        assert limits.forward_tokens(device, step, None) == step
+    # A chunk set larger than the device's forward widens the forward to hold it.
+    monkeypatch.setenv("EXO_PREFILL_STEP", "16384")
+    monkeypatch.setenv("EXO_PREFILL_CHUNK", "2048")
+    assert limits.forward_tokens("cpu", limits.step_tokens("cpu"), limits.chunk_tokens("cpu")) == 2048
 
 
 def test_a_chunk_whose_attention_exceeds_a_forwards_area_alone_is_cut_to_fit(engine, monkeypatch):

@@ -10,27 +10,38 @@ DEFAULT_MAX_TOKENS = 1024
 # Requests stepped together; later ones wait in arrival order.
 MAX_BATCH = int(os.environ.get("EXO_MAX_BATCH", "8"))
 
-# Tokens fed per step (prompt chunks and decode tokens together): progress and
-# cancellations land between steps, and a long prompt holds running streams up by one
-# step at most. A GPU takes a larger step than 2 CPU cores in the same time.
-CPU_STEP_TOKENS = 512
-GPU_STEP_TOKENS = 2048
+# Per device, as MLX names what it computes on ("cpu", "metal", "cuda"). A step's tokens
+# (prompt chunks and decode tokens together): progress and cancellations land between
+# steps, prompts scheduled in one step have their first tokens after it, and a long
+# prompt holds running streams up by one step at most. An NVIDIA GPU steps as mlx-lm's
+# BatchGenerator does, 8 prompts of 2,048 tokens (its prefill_step_size, each prompt's
+# chunk here), in about 0.2 s for the 3 GB float32 llama of bench/gpu.sh on an H200; a
+# Mac's GPU, which prefills an 8B model at a few thousand tokens a second, keeps 2,048
+# so its running streams are held up for under a second; 2 CPU cores take 512.
+STEP_TOKENS = {"cpu": 512, "metal": 2048, "cuda": 16384}
+CHUNK_TOKENS = {"cuda": 2048}  # elsewhere the step's
+# The most tokens one forward computes (a padded batch: rows x its longest chunk): a
+# step's chunks past it take more forwards, so a step's activations stay those of one.
+FORWARD_TOKENS = {"cpu": 512, "metal": 2048, "cuda": 4096}
 
 
-def step_tokens(on_gpu: bool) -> int:
+def step_tokens(device: str) -> int:
     configured = os.environ.get("EXO_PREFILL_STEP")
-    if configured:
-        return int(configured)
-    return GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS
+    return int(configured) if configured else STEP_TOKENS[device]
 
 
-def chunk_tokens() -> int | None:
+def chunk_tokens(device: str = "cpu") -> int | None:
     """EXO_PREFILL_CHUNK: the most prompt tokens one request feeds a step (vLLM's
-    long_prefill_token_threshold). With a larger step, prompts that arrive together
-    prefill in one forward while a long one still holds running streams up by one chunk
-    (mlx-lm's BatchGenerator: 8 prompts x 2,048 tokens a forward). Unset: the step's."""
+    long_prefill_token_threshold), so prompts that arrive together prefill in one step
+    while a long one still holds running streams up by one chunk. Unset: the device's
+    (None: the step's)."""
     configured = os.environ.get("EXO_PREFILL_CHUNK")
-    return int(configured) if configured else None
+    return int(configured) if configured else CHUNK_TOKENS.get(device)
+
+
+def forward_tokens(device: str, step: int, chunk: int | None) -> int:
+    """A forward's tokens: the device's, or a chunk's where that is more; the step's at most."""
+    return min(step, max(FORWARD_TOKENS[device], chunk or 0))
 
 
 # An idle engine's first step waits for the requests sent with the one that woke it: until

@@ -156,6 +156,9 @@ class Budget:
     # Of kv_tokens the running requests may hold at most this many (llama.cpp's context
     # cells; its prefix cache lives outside them). None: all of them.
     context_tokens: int | None = None
+    # Tokens one forward computes at most (rows x its longest chunk), where the backend
+    # runs a step's prompt chunks in several; None: the step's.
+    forward_tokens: int | None = None
     # Query-key pairs of attention one forward may compute, where the scores are
     # materialized: the backend runs a step's prompt chunks in as many forwards as keep
     # within it, and a chunk is cut to fit alone. None: no limit.

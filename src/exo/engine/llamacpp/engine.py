@@ -99,7 +99,7 @@ class LlamaCppEngine:
         self.f32_kv = False
         self.kv_width = 0  # keys (and values) per token per layer
         self.max_context = 0  # KV cells the context may grow to
-        self.step_tokens = limits.step_tokens(on_gpu=False)
+        self.step_tokens = limits.step_tokens("cpu")
         self._open: dict[CommandId, Request] = {}  # admitted requests, with a sequence
         self._free_sequences: list[int] = []
         self._grammar_tokenizer = None

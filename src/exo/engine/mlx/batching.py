@@ -62,16 +62,18 @@ def _arrays(layer: Any) -> list[mx.array]:
     return [array for array in (layer.keys, layer.values) if array is not None]
 
 
-def forward_groups(chunks: list[tuple[int, int]], area: int | None) -> list[list[int]]:
+def forward_groups(chunks: list[tuple[int, int]], area: int | None, tokens: int | None) -> list[list[int]]:
     """A step's prompt chunks, given as (length, end), grouped in order into forwards:
-    each a batch padded to one length whose attention (rows x its longest chunk x its
-    deepest end) stays within `area` query-key pairs; a chunk alone always makes one (the
-    scheduler cut it to fit). The indexes of each forward's chunks."""
+    each a batch padded to one length, of at most `tokens` tokens (rows x its longest
+    chunk) and whose attention (that x its deepest end) stays within `area` query-key
+    pairs; a chunk alone always makes one (the scheduler sized it to fit). The indexes
+    of each forward's chunks."""
     groups: list[list[int]] = []
     widest = deepest = 0
     for index, (length, end) in enumerate(chunks):
         wider, deeper = max(widest, length), max(deepest, end)
-        if groups and (area is None or (len(groups[-1]) + 1) * wider * deeper <= area):
+        padded = (len(groups[-1]) + 1) * wider if groups else 0
+        if groups and (tokens is None or padded <= tokens) and (area is None or padded * deeper <= area):
             groups[-1].append(index)
             widest, deepest = wider, deeper
         else:

@@ -41,6 +41,7 @@ from exo.engine.mlx.memory import (
     forward_area,
     kv_bytes_per_token,
     limit_buffer_cache,
+    mlx_device,
     score_bytes_per_pair,
 )
 from exo.engine.mlx.parallel import (
@@ -218,11 +219,18 @@ class MlxEngine:
         self.card_speculative = shard.model_card.speculative
         self.reasoning_dialect = shard.model_card.reasoning_dialect.value
         # Room for the warm-up; warm_up measures what a token of KV costs and sets the budget.
-        step = limits.step_tokens(on_gpu=mx.default_device() == mx.gpu)
+        device = mlx_device()
+        step = limits.step_tokens(device)
+        chunk = limits.chunk_tokens(device)
+        forward = limits.forward_tokens(device, step, chunk)
         self.scheduler = Scheduler(
             self,
             Budget(
-                kv_tokens=1 << 20, step_tokens=step, prefix_cache_tokens=1 << 20, chunk_tokens=limits.chunk_tokens()
+                kv_tokens=1 << 20,
+                step_tokens=step,
+                prefix_cache_tokens=1 << 20,
+                chunk_tokens=min(chunk or step, forward),
+                forward_tokens=forward,
             ),
         )
 
@@ -255,14 +263,14 @@ class MlxEngine:
         prefill_chunk(self.model, [self.tokenizer.bos_token_id or 0], cache, self.pipeline_ranks)
         per_token = kv_bytes_per_token(cache)
         weights = mx.get_active_memory()
-        step = scheduler.budget.step_tokens
-        activations = activation_bytes(self.config, step, limits.MAX_BATCH)
+        budget = scheduler.budget
+        activations = activation_bytes(self.config, budget.forward_tokens or budget.step_tokens, limits.MAX_BATCH)
         spare = max(0, device_memory() - weights - activations)
         scores = spare // 4
         # A fifth of the rest stays free for what MLX holds twice for a moment (a cache
         # grown by concatenation, the decode batch as requests join and leave).
         kv_tokens = (spare - scores) * 4 // 5 // per_token
-        area = forward_area(self.config, scores, scheduler.budget.chunk_tokens or step)
+        area = forward_area(self.config, scores, budget.chunk_tokens or budget.step_tokens)
         if self.group is not None:
             kv_tokens = agree_on_minimum(kv_tokens, self.group, self.collective_stream)
             area = agree_on_minimum(area, self.group, self.collective_stream)
@@ -598,8 +606,9 @@ class MlxEngine:
                 self._prefill_alone(row, chunk)
             if row.sample and not work.batchable:
                 sampled.extend(self._decode_alone(row))
-        area = self._scheduler().budget.forward_area
-        for group in forward_groups([(len(chunk), row.start + len(chunk)) for row, chunk in together], area):
+        budget = self._scheduler().budget
+        chunks = [(len(chunk), row.start + len(chunk)) for row, chunk in together]
+        for group in forward_groups(chunks, budget.forward_area, budget.forward_tokens):
             forward = [together[index] for index in group]
             if len(forward) == 1:
                 row, chunk = forward[0]

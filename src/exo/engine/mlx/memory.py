@@ -21,6 +21,14 @@ import mlx.core as mx
 from exo.engine import limits
 
 
+def mlx_device() -> str:
+    """What MLX computes on here: "cuda", "metal" or "cpu"."""
+    if mx.default_device() != mx.gpu:
+        return "cpu"
+    cuda = getattr(mx, "cuda", None)  # not in every build
+    return "cuda" if cuda is not None and cuda.is_available() else "metal"
+
+
 def device_memory() -> int:
     """Bytes this runner may use, weights included."""
     override = limits.memory_budget_override()
