@@ -3,12 +3,22 @@ to N MB (EXO_MEMORY_BUDGET_MB, in place of the device's memory), 16 prompts of ~
 tokens submitted together are all answered in full while MLX's peak memory stays within
 N + 10%: the later ones wait in the queue until the earlier ones' KV is freed, and the
 prefix cache gives its entries up for them. A prompt larger than the budget allows is
-refused with the number of tokens that fit; one that fits only alone waits its turn."""
+refused with the number of tokens that fit; one that fits only alone waits its turn.
+
+The engine is loaded with each device's step, chunk and forward (engine/limits.py: a
+CPU's 512-token step, a Mac's 2,048, an NVIDIA GPU's 16,384 in chunks of 2,048 and
+forwards of 4,096), computed here on the CPU, whose attention materializes its scores
+in full: the budget's accounting for a GPU's shapes is checked where no GPU is at hand
+(how MLX's CUDA allocator holds them is for bench/gpu.sh's memory part)."""
+
+from collections.abc import Iterator
 
 import mlx.core as mx
 import pytest
 
+import exo.engine.mlx.engine
 from exo.devtools.tiny_models import make_tiny_llama
+from exo.engine import limits
 from exo.engine.mlx.engine import MlxEngine
 from exo.engine.mlx.memory import forward_area, score_bytes_per_pair
 from exo.shared.types.common import CommandId, ModelId
@@ -22,14 +32,23 @@ REQUESTS = 16
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> MlxEngine:
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
     # 4 KB of float32 KV a token: a 2,016-token request holds ~8 MB, all 16 ~130 MB.
-    model_dir = make_tiny_llama(
+    return make_tiny_llama(
         tmp_path_factory.mktemp("budget") / "llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512
     )
+
+
+@pytest.fixture(scope="module", params=["cpu", "metal", "cuda"])
+def engine(request: pytest.FixtureRequest, model_dir) -> Iterator[MlxEngine]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("EXO_MEMORY_BUDGET_MB", str(BUDGET_MB))
-        return load_engine(model_dir)
+        patch.setattr(exo.engine.mlx.engine, "mlx_device", lambda: request.param)
+        loaded = load_engine(model_dir)
+    assert loaded.scheduler is not None
+    assert loaded.scheduler.budget.step_tokens == limits.step_tokens(request.param)
+    yield loaded
+    loaded.close()  # the next device's budget is measured from the arrays alive then
 
 
 def _params(index: int, length: int) -> TextGenerationTaskParams:
