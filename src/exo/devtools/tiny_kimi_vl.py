@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from exo.devtools.tiny_vlm_tokenizer import user_turn, write_vlm_tokenizer
 from exo.shared.models.vision import moonvit_fields
 
 KIMI_VL_TOKENS = {
@@ -128,8 +129,6 @@ def make_tiny_kimi_vl(path: Path, seed: int = 0, init_std: float = 0.08) -> Path
     from mlx.utils import tree_flatten
     from mlx_vlm.models.kimi_vl.kimi_vl import Model
 
-    from exo.devtools.tiny_vlms import write_vlm_tokenizer
-
     path = Path(path)
     ids = write_vlm_tokenizer(path, KIMI_VL_TOKENS, KIMI_VL_PLACEHOLDER)
     config = {
@@ -164,8 +163,6 @@ def kimi_vl_reference(path: Path, question: str, image: Any, steps: int = 1) -> 
     from mlx_vlm.models.kimi_vl.kimi_vl import Model
     from mlx_vlm.models.kimi_vl.processing_kimi_vl import KimiVLImageProcessor
     from transformers import AutoTokenizer
-
-    from exo.devtools.tiny_vlms import user_turn
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())

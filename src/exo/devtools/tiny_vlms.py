@@ -19,19 +19,11 @@ from tokenizers import Tokenizer
 from tokenizers.processors import TemplateProcessing
 
 from exo.devtools.tiny_configs import TINY_CONFIGS
-from exo.devtools.tiny_models import write_tokenizer
+from exo.devtools.tiny_kimi_vl import kimi_vl_reference, make_tiny_kimi_vl
+from exo.devtools.tiny_vlm_tokenizer import user_turn, write_vlm_tokenizer
 
 INIT_STD = 0.08
 
-# Renders image parts as the family's placeholder, which the processor expands into the
-# image's run of soft tokens (begin marker, N image tokens, end marker).
-VLM_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ image_placeholder }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 # Gemma 4's tokens for images. Its config also names audio and video tokens; they get ids
 # outside the vocabulary, since transformers embeds those tokens as padding wherever they
@@ -139,22 +131,6 @@ TINY_VLMS = ("gemma4_vlm", "gemma4_moe_vlm", "qwen2_5_vl", "qwen3_vl", "kimi_vl"
 # The quantized one: every linear and embedding (vision tower and projector included)
 # 4-bit in groups of 32.
 QUANTIZED_BITS, QUANTIZED_GROUP = 4, 32
-
-
-def write_vlm_tokenizer(path: Path, tokens: dict[str, str], placeholder: str) -> dict[str, int]:
-    """The tiny BPE tokenizer with the family's image tokens added; returns their ids."""
-    write_tokenizer(path, 512, 64)
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tokenizer.add_special_tokens(list(tokens.values()))
-    tokenizer.save(str(path / "tokenizer.json"))
-    config_path = path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config.update(tokens)
-    config["chat_template"] = VLM_CHAT_TEMPLATE.replace("{{ image_placeholder }}", placeholder)
-    config_path.write_text(json.dumps(config, indent=2))
-    ids = {name: tokenizer.token_to_id(token) or 0 for name, token in tokens.items()}
-    ids["vocab_size"] = tokenizer.get_vocab_size()
-    return ids
 
 
 def _sharpen(model: Any, seed: int) -> None:
@@ -545,8 +521,6 @@ def make_tiny_vlm(path: Path, name: str, seed: int = 0) -> Path:
         return make_tiny_quantized_gemma4_vlm(path, seed)
     if name == "gemma4_moe_vlm":
         return make_tiny_gemma4_vlm(path, seed, layout="26b")
-    from exo.devtools.tiny_kimi_vl import make_tiny_kimi_vl
-
     makers = {
         "gemma4_vlm": make_tiny_gemma4_vlm,
         "qwen2_5_vl": make_tiny_qwen2_5_vl,
@@ -605,13 +579,6 @@ def _greedy_logprobs(forward: Callable[[Any], Any], ids: list[int], steps: int) 
     return steps_logprobs
 
 
-def user_turn(tokenizer: Any, question: str) -> str:
-    content = [{"type": "image"}, {"type": "text", "text": question}]
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-    )
-
-
 def qwen_vl_reference(path: Path, question: str, image: Any, steps: int = 1) -> tuple[list[int], list[list[float]]]:
     """As gemma4_reference, for the Qwen-VL grid family (Qwen2.5-VL, Qwen3-VL):
     transformers' Qwen2-VL image processor (the PIL one, which both use), the pad token
@@ -647,8 +614,6 @@ def qwen_vl_reference(path: Path, question: str, image: Any, steps: int = 1) -> 
 def vlm_reference(path: Path, question: str, image: Any, steps: int = 1) -> tuple[list[int], list[list[float]]]:
     """The reference numbers for a tiny VLM: transformers' forward, or for Kimi-VL, which
     transformers has no class for, mlx-vlm's (devtools/tiny_kimi_vl.py)."""
-    from exo.devtools.tiny_kimi_vl import kimi_vl_reference
-
     model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
     references = {
         "gemma4": gemma4_reference,
