@@ -11,6 +11,7 @@ forwards of 4,096), computed here on the CPU, whose attention materializes its s
 in full: the budget's accounting for a GPU's shapes is checked where no GPU is at hand
 (how MLX's CUDA allocator holds them is for bench/gpu.sh's memory part)."""
 
+import gc
 from collections.abc import Iterator
 
 import mlx.core as mx
@@ -41,6 +42,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module", params=["cpu", "metal", "cuda"])
 def engine(request: pytest.FixtureRequest, model_dir) -> Iterator[MlxEngine]:
+    # The budget counts what is alive in the process as weights: earlier tests' arrays go first.
+    gc.collect()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("EXO_MEMORY_BUDGET_MB", str(BUDGET_MB))
         patch.setattr(exo.engine.mlx.engine, "mlx_device", lambda: request.param)

@@ -240,7 +240,7 @@ class MlxEngine:
             generated = 0
             while True:
                 ops = self._apply_ops()
-                self._scheduler().step()
+                self._step_scheduler()
                 if any(isinstance(op, EndWarmup) for op in ops):
                     break
                 generated += 1
@@ -336,6 +336,7 @@ class MlxEngine:
                     self._start_in_step(op)
                 case CancelRequest(request_id=request_id):
                     self._scheduler().cancel(request_id)
+                    self._batch.settle()
                     self._held_images.pop(request_id, None)
                 case EndWarmup():
                     pass  # a follower's warm_up watches for it
@@ -555,8 +556,13 @@ class MlxEngine:
         if self.group is not None:
             self._apply_ops()
         failed, self._failed = self._failed, []
-        chunks = self._scheduler().step()
+        chunks = self._step_scheduler()
         return [] if self.is_follower else failed + chunks
+
+    def _step_scheduler(self) -> list[ChunkGenerated]:
+        chunks = self._scheduler().step()
+        self._batch.settle()  # the rows of the requests that finished in it
+        return chunks
 
     # --- the scheduler's backend ---------------------------------------------------------
 
