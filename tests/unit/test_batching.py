@@ -314,8 +314,8 @@ def test_each_prompt_feeds_at_most_its_chunk_a_step_beside_the_others(engine, mo
     # long_prefill_token_threshold): prompts arriving together each feed 8 tokens in every
     # step, all in the first, and answer as they do alone.
     monkeypatch.setenv("EXO_PREFILL_CHUNK", "8")
-    assert limits.chunk_tokens() == 8
-    budget = replace(engine.scheduler.budget, step_tokens=64, chunk_tokens=limits.chunk_tokens())
+    assert limits.chunk_tokens("cpu") == 8
+    budget = replace(engine.scheduler.budget, step_tokens=64, chunk_tokens=limits.chunk_tokens("cpu"))
     monkeypatch.setattr(engine.scheduler, "budget", budget)
     names = ["short", "middle", "biased"]
     alone = {name: _alone(engine, name) for name in names}

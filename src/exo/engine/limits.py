@@ -30,7 +30,7 @@ def step_tokens(device: str) -> int:
     return int(configured) if configured else STEP_TOKENS[device]
 
 
-def chunk_tokens(device: str = "cpu") -> int | None:
+def chunk_tokens(device: str) -> int | None:
     """EXO_PREFILL_CHUNK: the most prompt tokens one request feeds a step (vLLM's
     long_prefill_token_threshold), so prompts that arrive together prefill in one step
     while a long one still holds running streams up by one chunk. Unset: the device's

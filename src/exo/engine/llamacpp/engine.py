@@ -179,7 +179,7 @@ class LlamaCppEngine:
                 kv_tokens=fit,
                 context_tokens=self.max_context,
                 step_tokens=self.step_tokens,
-                chunk_tokens=limits.chunk_tokens(),
+                chunk_tokens=limits.chunk_tokens("cpu"),
                 prefix_cache_tokens=min(limits.PREFIX_CACHE_BYTES, budget) // kv_bytes_per_token,
                 weights_bytes=weights,
                 kv_bytes_per_token=kv_bytes_per_token,
